@@ -14,6 +14,14 @@ counted: dense, masked entries included), and the CPU time of one forward + back
 by its rows / ``--old-rows``: its rows all have ``--seq`` tokens and the loss is a sum over rows,
 so its FLOPs scale exactly (its time about linearly). With ``--check`` (small ``--seq`` only) the
 two layouts' losses are compared first.
+
+    python benchmarks/ebft_layout.py --seq 1024 --memory
+
+``--memory``: the block-parallel row only, its attention's prefix mask built whole (one dense
+``L x L`` mask per row, as before ``ops/query_chunks.py``) against by blocks of
+``QUERY_CHUNK`` queries (each recomputed in backward, against the keys up to its last query): the
+peak memory of one forward + backward of the loss beyond the parameters (torch's memory profiler,
+``tests/memtrack.py``), the FLOPs (SDPA's math backend) and the CPU time.
 """
 from __future__ import annotations
 
@@ -79,6 +87,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--check", action="store_true", help="compare the two layouts' losses first")
+    ap.add_argument("--memory", action="store_true", help="the block-parallel row's peak memory: its mask whole "
+                                                          "against by blocks of queries")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -112,6 +122,8 @@ def main() -> None:
             ins = {k: batch[k] for k in LAYOUT_KEYS if k in batch}
             return llama.layer_states(params, batch["tokens"], cfg, layers, **ins)
 
+    if args.memory:
+        return memory(step, rows(new, slice(None)), args.repeats)
     if args.check:
         got, want = step(rows(new, slice(None))), step(rows(old, slice(None)))
         print(f"loss: block-parallel {got:.6f}, one row per sample {want:.6f}")
@@ -145,6 +157,39 @@ def main() -> None:
     (a, b) = result.values()
     print(f"  ratio one row per sample / block-parallel: loss FLOPs {a[0] / b[0]:.1f}x, feature FLOPs "
           f"{a[1] / b[1]:.1f}x, CPU time {a[2] / b[2]:.1f}x")
+
+
+def memory(step, batch: dict, repeats: int) -> None:
+    """The row's forward + backward with the prefix mask whole and by blocks of queries: peak
+    memory, FLOPs and CPU time (median of ``repeats``); the losses equal."""
+    import sys
+    from pathlib import Path
+
+    from functional_pp.ops import query_chunks
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from memtrack import peak_memory
+    length = int(batch["tokens"].data.shape[1])
+    blocks = query_chunks.QUERY_CHUNK
+    out = {}
+    for name, chunk in (("mask whole", length), (f"blocks of {blocks} queries", blocks)):
+        query_chunks.QUERY_CHUNK = chunk
+        step(batch)                                        # (warm-up)
+        with peak_memory() as p:
+            loss = step(batch)
+        with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as fc:
+            step(batch)
+        times = []
+        for _ in range(repeats):
+            t0 = time.process_time()
+            step(batch)
+            times.append(time.process_time() - t0)
+        out[name] = (p.bytes, fc.get_total_flops(), statistics.median(times), loss)
+        print(f"  {name:22s} row of {length} tokens: peak {p.bytes / 2 ** 20:8.1f} MiB, loss fwd+bwd "
+              f"{fc.get_total_flops() / 1e9:8.2f} GFLOP, CPU {out[name][2]:6.2f} s, loss {loss:.6f}")
+    query_chunks.QUERY_CHUNK = blocks
+    (a, b) = out.values()
+    assert abs(a[3] - b[3]) <= 1e-5 * abs(a[3]) + 1e-6
+    print(f"  ratio whole / blocks: peak {a[0] / b[0]:.1f}x, FLOPs {a[1] / b[1]:.2f}x, CPU time {a[2] / b[2]:.2f}x")
 
 
 if __name__ == "__main__":

@@ -271,6 +271,7 @@ class TrainRun:
     def build_step(self) -> None:
         """The optimizer, the device and the training step (a pipeline step with a ``pp`` axis)."""
         from functional_pp.app.preference_run import REFERENCE
+        from functional_pp.app.row_tokens import row_tokens
         from functional_pp.app.world import peak_flops, select_device
         from functional_pp.step.train import DEFAULT_BATCH_DIMS
         cfg, family, model_cfg = self.cfg, self.family, self.model_cfg
@@ -293,7 +294,8 @@ class TrainRun:
             **cfg.offload_options(),
             on_nonfinite=cfg.on_nonfinite, lr_schedule=schedule,
             max_consecutive_skips=cfg.max_consecutive_skips,
-            flops_per_token=family.flops_per_token(model_cfg, cfg.sequence_len),
+            flops_per_token=family.flops_per_token(model_cfg, row_tokens(cfg, self.mesh, self.rules)),
+            throughput_tokens="rows" if self.ebft is not None else "labels",   # (EBFT: every token of its rows)
             peak_flops_per_device=cfg.peak_flops_per_device or peak_flops(device),
             batch_dims=batch_dims,
             micro_weighting="labels" if cfg.diffusion is None else "rows",   # (the diffusion loss: a mean over rows)

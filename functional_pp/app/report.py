@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from functional_pp.app.row_tokens import row_tokens
 from functional_pp.app.world import World
 from functional_pp.config import TrainConfig, model_family
 from functional_pp.core.layout import local_shape
@@ -122,6 +123,7 @@ def describe(cfg: TrainConfig, world: World, mesh, rules, model_cfg, corpus=None
     dp = cfg.dp_size(mesh, rules)
     accum = cfg.grad_accum(mesh, rules)
     gb = cfg.global_batch(mesh, rules)
+    row = row_tokens(cfg, mesh, rules)
     mesh_txt = " x ".join(f"{a}={s}" for a, s in mesh.shape.items())
     rules_txt = ", ".join(f"{k}={'+'.join(rules[k]) if rules[k] else '-'}" for k in rules.entries())
     model_txt = ", ".join(f"{k}={getattr(model_cfg, k)}" for k in
@@ -141,8 +143,10 @@ def describe(cfg: TrainConfig, world: World, mesh, rules, model_cfg, corpus=None
         f"memory:     {trained_local:,} trained parameters on {where} x {per} B ({what}) + "
         f"{local - trained_local:,} frozen x {frozen_what} (weights only) = "
         f"{human_bytes(trained_local * per + frozen_bytes)} per device",
-        f"batch:      {gb} sequences x {cfg.sequence_len} tokens = {gb * cfg.sequence_len:,} tokens/step "
-        f"(micro_batch_size {cfg.micro_batch_size} x grad_accum {accum} x dp {dp})",
+        f"batch:      {gb} sequences x {row} tokens = {gb * row:,} tokens/step "
+        f"(micro_batch_size {cfg.micro_batch_size} x grad_accum {accum} x dp {dp})"
+        + ("" if row == cfg.sequence_len else
+           f" (rows of {row} tokens, not sequence_len {cfg.sequence_len}: the objective's layout)"),
         f"optimizer:  {cfg.optimizer}, lr {cfg.learning_rate:g} ({cfg.lr_scheduler}, warmup "
         f"{cfg.warmup()}), {cfg.max_steps} steps"
         + (f" (num_epochs {cfg.num_epochs} x {cfg.steps_per_epoch} steps per epoch)"
@@ -227,8 +231,8 @@ def planned_estimate(cfg: TrainConfig, mesh, rules, model_cfg):
     with the same arguments, so both give the same peak)."""
     from functional_pp.app.optimizer import optimizer_from_config
     from functional_pp.plan import estimate
-    gb = cfg.global_batch(mesh, rules)
-    batch = {k: ((gb, cfg.sequence_len), "batch seq") for k in ("tokens", "labels")}
+    gb, row = cfg.global_batch(mesh, rules), row_tokens(cfg, mesh, rules)
+    batch = {k: ((gb, row), "batch seq") for k in ("tokens", "labels")}
     loss, decls, trainable = run_model(cfg, model_cfg, compute_dtype(cfg))
     options = {"keep_gathered": True} if not cfg.reshard_after_forward else {}
     options.update(cfg.offload_options())

@@ -12,6 +12,7 @@ from textwrap import indent
 from typing import IO
 
 from functional_pp.app.report import human_bytes
+from functional_pp.app.row_tokens import row_tokens
 
 from functional_pp.plan.cluster import cluster as as_cluster
 from functional_pp.plan.cluster import PRESETS, describe_presets
@@ -60,7 +61,7 @@ def config_space(cfg, *, orders: str = "default", pp: tuple[int, ...] = (1,), ep
     return Space(orders=orders, precision=cfg.resolved_precision(), remat=remat, micro_batch_sizes=micro,
                  keep_gathered=keep, regather_activations=(False,), cp_attention=("ring",), pp=pp, ep=ep,
                  offload_params=(cfg.offload_params,), activation_offloading=(cfg.activation_offloading,),
-                 max_axis={"cp": max(1, cfg.sequence_len // CP_MIN_TOKENS), **(max_axis or {})})
+                 max_axis={"cp": max(1, row_tokens(cfg) // CP_MIN_TOKENS), **(max_axis or {})})
 
 
 def rank_layouts(cfg, n_devices: int, cluster="h100x8", *, memory_gb: float | None = None,
@@ -76,8 +77,9 @@ def rank_layouts(cfg, n_devices: int, cluster="h100x8", *, memory_gb: float | No
     _check_searchable(cfg)
     loss, decls, trainable = _model(cfg)
     gb = global_batch_for(cfg, n_devices)
-    batch = {"tokens": ((gb, cfg.sequence_len), "batch seq"), "labels": ((gb, cfg.sequence_len), "batch seq")}
     space = space or config_space(cfg, orders=orders)
+    row = row_tokens(cfg, multiple=_cp_multiple(n_devices, space.max_axis.get("cp", n_devices)))
+    batch = {"tokens": ((gb, row), "batch seq"), "labels": ((gb, row), "batch seq")}
     strat = {"exhaustive": exhaustive, "beam": beam(4), "auto": None}[strategy]
     out = stream or sys.stderr
     live = out.isatty() if hasattr(out, "isatty") else False
@@ -95,6 +97,12 @@ def rank_layouts(cfg, n_devices: int, cluster="h100x8", *, memory_gb: float | No
     print(("\r" + " " * 90 + "\r" if live else "") + f"  estimated {len(ranking) + len(ranking.rejected)} layouts "
           f"in {time.perf_counter() - started:.0f} s", file=out, flush=True)
     return ranking
+
+
+def _cp_multiple(n_devices: int, max_cp: int) -> int:
+    """A row length every searched context-parallel size splits in load-balanced chunks: the least
+    common multiple of 2 x cp over the cp sizes (divisors of ``n_devices``, at most ``max_cp``)."""
+    return math.lcm(*(2 * c for c in range(1, min(max_cp, n_devices) + 1) if n_devices % c == 0))
 
 
 def explain(ranking: Ranking, cfg=None, top: int = 3) -> str:
@@ -265,7 +273,7 @@ def add_parser(sub) -> None:
                    help="pipeline sizes to try, e.g. 1,2,4 (1F1B and interleaved 1F1B)")
     p.add_argument("--ep", default="1", metavar="SIZES", help="expert-parallel sizes to try (MoE models), e.g. 1,2")
     p.add_argument("--max-axis", default="", metavar="AXIS=N,...",
-                   help=f"largest size of mesh axes, e.g. tp=8,cp=16 (default: cp up to sequence_len / "
+                   help=f"largest size of mesh axes, e.g. tp=8,cp=16 (default: cp up to a row's tokens / "
                         f"{CP_MIN_TOKENS})")
     p.add_argument("--float8", action="store_true",
                    help="cost the layers' linear matmuls in Float8 (torchtitan's Float8 training; FP8 peak of the cluster)")

@@ -20,6 +20,7 @@ from functional_pp.ops.attention_kernels import ring_attention
 from functional_pp.ops.attention_meta import sdpa_for
 from functional_pp.ops.attention_ring import batched_ring_attention
 from functional_pp.ops.keep_mask import check_rate, keep_mask
+from functional_pp.ops.query_chunks import by_query_chunks
 from functional_pp.parallel.fsdp.regather import relayout
 from functional_pp.ops.rotary import TRACED_POSITIONS
 from functional_pp.parallel import collectives as C
@@ -136,9 +137,11 @@ def attention(q: Named, k: Named, v: Named, *, causal: bool = True, scale: float
     index below its own ``prefix``, whatever the key's segment (the causal mask still applies):
     continuations packed after the context they share, each seeing that context and its own
     earlier tokens (EBFT's block-parallel rows, preference/ebft_layout.py); 0: its segment only.
-    On every path like ``segments`` (under context parallelism the keys' global row indices);
-    not with ``window``, ``chunk`` or ``alibi_max`` (they measure row indices, not the rows'
-    positions), ``kv_segments`` or ``kept_keys``."""
+    On every path like ``segments`` (under context parallelism the keys' global row indices),
+    computed by blocks of queries (``ops/query_chunks.py``: the mask of one block at a time, each
+    recomputed in backward; memory linear in the row); not with ``window``, ``chunk`` or
+    ``alibi_max`` (they measure row indices, not the rows' positions), ``kv_segments`` or
+    ``kept_keys``."""
     dropout = check_rate(dropout, "attention: dropout")
     if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or softcap <= 0):
         raise ValueError(f"attention: softcap must be a positive number (or None), got {softcap!r}")
@@ -461,16 +464,40 @@ def _segment_attention(q, k, v, seg, seq_axes, causal, scale, seq_size, balanced
         kpos = torch.arange(seq_size, device=q.device)
         if balanced:
             kpos = torch.cat([balanced_indices(seq_size, n, j, q.device) for j in range(n)])
+    in_order = qpos is None           # (the keys in row order: not all-gathered from load-balanced chunks)
     if qpos is None:                  # the queries are the last of the keys (all of them, or a cache's new ones)
         kpos = torch.arange(k.shape[2], device=q.device)
         qpos = kpos[k.shape[2] - q.shape[2]:]
+    if groups is not None and kgroups.shape[-1] != k.shape[2]:
+        raise ValueError(f"attention: groups cover {kgroups.shape[-1]} keys, the keys are {k.shape[2]} (groups "
+                         f"are the queries' and the keys' own ids: the same sequence)")
+
+    def block(start: int, stop: int, keys: int) -> torch.Tensor:
+        """Queries ``start .. stop - 1`` against the first ``keys`` keys."""
+        part = slice(start, stop)
+        qb, kb, vb, qp, kp = q[:, :, part], k[:, :, :keys], v[:, :, :keys], qpos[part], kpos[:keys]
+        mask = _segment_mask(qp, kp, causal, limits, None if seg is None else seg[:, part],
+                             None if kseg is None else kseg[:, :keys], None if groups is None else groups[:, part],
+                             None if kgroups is None else kgroups[:, :keys],
+                             None if prefix is None else prefix[:, part])
+        if softcap is not None or sinks is not None or explicit is not None:
+            return _masked(qb, kb, vb, mask, scale, softcap, sinks, _kept(explicit, qp, kp, q.dtype),
+                           _biased(explicit, qp, kp))
+        return F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale,
+                                              enable_gqa=bool(q.shape[1] != k.shape[1]))
+    if prefix is None:                # (one dense mask, as ever)
+        return block(0, q.shape[2], k.shape[2])
+    # the shared context's mask by blocks of queries: memory linear in the row, not quadratic
+    return by_query_chunks(block, q.shape[2], k.shape[2], causal_keys=causal and in_order)
+
+
+def _segment_mask(qpos, kpos, causal, limits, seg, kseg, groups, kgroups, prefix) -> torch.Tensor | None:
+    """The (batch or 1, 1, q, k) boolean mask of :func:`_segment_attention` for queries at (global)
+    row indices ``qpos`` and keys at ``kpos``, their segment / group ids and the queries' prefix."""
     mask = None
     if causal or limits != (None, None):
         mask = _visible(qpos, kpos, causal, *limits)[None, None]                # 1 1 q k
     if groups is not None:            # (transformers: OR-ed after the causal / sliding mask, before the documents)
-        if kgroups.shape[-1] != k.shape[2]:
-            raise ValueError(f"attention: groups cover {kgroups.shape[-1]} keys, the keys are {k.shape[2]} (groups "
-                             f"are the queries' and the keys' own ids: the same sequence)")
         own = (groups[:, None, :, None] == kgroups[:, None, None, :]) & (groups >= 0)[:, None, :, None]
         mask = own if mask is None else mask | own
     if seg is not None:
@@ -478,8 +505,4 @@ def _segment_attention(q, k, v, seg, seq_axes, causal, scale, seq_size, balanced
         if prefix is not None:        # (and the shared context before the query's prefix)
             same = same | (kpos[None, None, None, :] < prefix[:, None, :, None])
         mask = same if mask is None else mask & same
-    if softcap is not None or sinks is not None or explicit is not None:
-        return _masked(q, k, v, mask, scale, softcap, sinks, _kept(explicit, qpos, kpos, q.dtype),
-                       _biased(explicit, qpos, kpos))
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
-                                          enable_gqa=bool(q.shape[1] != k.shape[1]))
+    return mask

@@ -8,6 +8,8 @@ and parts it uses (docs/architecture.md, "The step").
 """
 from __future__ import annotations
 
+import math
+
 from contextlib import nullcontext
 from typing import Any, Protocol
 
@@ -95,6 +97,7 @@ class PlainDeviceStep:
         trains = s.spec.trainable or (True,) * len(leaves)
         micro = split_micro(batch, s.grad_accum)
         weights, tokens = micro_weights(micro, s.batch_dims, s.micro_weighting)
+        tokens = throughput_tokens(micro, s.batch_dims, s.throughput_tokens, tokens)
         compute_device, work = s._offloaded_to(), leaves
         if compute_device is not None:   # offload: the shards on the device for this step, in the compute precision
             compute = PRECISIONS[s.precision]
@@ -192,6 +195,20 @@ def micro_weights(micro: list[dict], batch_dims: dict, by: str = "labels"):
     total = sum(counts[1:], counts[0])
     # every label ignored: a zero-weight step (loss 0, no gradient), not 0/0
     return [c / total.clamp_min(1) for c in counts], total
+
+
+def throughput_tokens(micro: list[dict], batch_dims: dict, counted: str, labels: torch.Tensor) -> torch.Tensor:
+    """The step's ``tokens`` metric: ``labels`` (the global non-ignored labels, given) or with
+    ``counted`` "rows" every position of the micro-batches' ``tokens`` rows (their global sizes: no
+    collective), what the step computes where its rows are longer than what they train."""
+    if counted == "labels":
+        return labels
+    total = 0
+    for mb in micro:
+        key = "tokens" if "tokens" in mb else next(iter(mb))
+        x = wrap(mb[key], batch_dims[key])
+        total += math.prod(x.size(d) for d in x.dims)
+    return torch.full((), float(total), dtype=torch.float64, device=labels.device)
 
 
 def _token_count(mb: dict, batch_dims: dict, by: str = "labels") -> torch.Tensor:

@@ -48,7 +48,7 @@ from functional_pp.parallel.pipeline.stage import StageOutput, StageRun, running
 from functional_pp.parallel.pipeline.timing import Timeline, simulate
 from functional_pp.parallel.raw_collectives import axis_index, raw_all_reduce, raw_permute
 from functional_pp.step.buffers import acc_dtype
-from functional_pp.step.device_step import finish_update, micro_weights
+from functional_pp.step.device_step import finish_update, micro_weights, throughput_tokens
 from functional_pp.step.io import split_micro
 from functional_pp.step.train import COMPILED_STEPS_PER_PROCESS, PRECISIONS, TrainStep, step_options
 from functional_pp.step.result import DeviceStepResult
@@ -248,6 +248,7 @@ class PipelineSchedule:
               for x, h, t, shape in zip(leaves, held, trains, self._shapes)]
         micro = split_micro(batch, self.step.grad_accum)
         weights, tokens = micro_weights(micro, self.step.batch_dims, self.step.micro_weighting)
+        tokens = throughput_tokens(micro, self.step.batch_dims, self.step.throughput_tokens, tokens)
         acc = acc_dtype([x for x, h in zip(leaves, held) if h])
         grads = [torch.zeros_like(x) for x in leaves]
         total = torch.zeros((), dtype=acc, device=leaves[0].device)

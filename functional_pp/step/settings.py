@@ -97,6 +97,8 @@ class ParamSpec:
 
 #: how a step's accumulated micro-batches weigh (StepSettings.micro_weighting)
 MICRO_WEIGHTINGS = ("labels", "rows")
+#: what a step's ``tokens`` metric (tokens/s, MFU) counts (StepSettings.throughput_tokens)
+THROUGHPUT_TOKENS = ("labels", "rows")
 
 
 @dataclass
@@ -125,6 +127,9 @@ class StepSettings:
     micro_weighting: str = "labels"       # how accumulated micro-batches weigh: labels (by their non-ignored
     #                                       labels: one large batch of a mean over tokens) | rows (equally: one
     #                                       large batch of a mean over rows, the diffusion objective's)
+    throughput_tokens: str = "labels"     # what the ``tokens`` metric (tokens/s, MFU) counts: labels (the
+    #                                       non-ignored labels: the trained tokens) | rows (every position of
+    #                                       the batch's rows, as computed: EBFT's block-parallel rows)
     flops_per_token: float | None = None
     peak_flops_per_device: float | None = None
     donate_state: bool = False            # the caller gives up the state passed in: compiled steps
@@ -158,6 +163,9 @@ class StepSettings:
             raise TypeError(f"TrainStep(policy=...) needs a functional_pp.Policy, got {type(self.policy).__name__}")
         if self.micro_weighting not in MICRO_WEIGHTINGS:
             raise ValueError(f"micro_weighting {self.micro_weighting!r}: choose one of {', '.join(MICRO_WEIGHTINGS)}")
+        if self.throughput_tokens not in THROUGHPUT_TOKENS:
+            raise ValueError(f"throughput_tokens {self.throughput_tokens!r}: choose one of "
+                             f"{', '.join(THROUGHPUT_TOKENS)}")
         if self.grad_accum < 1:
             raise ValueError(f"grad_accum must be >= 1, got {self.grad_accum}")
         for lever in ("offload_params", "activation_offloading"):

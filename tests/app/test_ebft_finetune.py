@@ -50,16 +50,30 @@ def _metrics(out: Path) -> list[dict]:
     return [m for m in read_metrics(out / "metrics.jsonl") if "loss" in m]
 
 
+#: the block-parallel rows of EBFT's documents of 16 tokens: 3 blocks x 2 samples of 4 + 1 tokens after them
+ROW = 16 + 3 * 2 * (4 + 1)
+
+
 def test_fsdp_tp_steps_equal_one_device(data, tmp_path):
+    """... and the summary, tokens/s and MFU count the block-parallel rows as computed (padded to
+    a multiple of 2 x cp under context parallelism), not ``sequence_len`` tokens per row."""
+    from functional_pp.config import model_family
+    from functional_pp.config.models import model_config
     runs = {}
     for name, sim, mesh in (("one", 1, {}), ("fsdp_tp", 4, {"dp_shard_size": 2, "tp_size": 2}),
                             ("cp", 2, {"cp_size": 2})):
         out = tmp_path / name
         text = io.StringIO()
-        train(config(data, out, micro_batch_size=2 // mesh.get("dp_shard_size", 1), **mesh), simulate=sim,
-              stream=text)
+        cfg = config(data, out, micro_batch_size=2 // mesh.get("dp_shard_size", 1), peak_flops_per_device=1e9, **mesh)
+        train(cfg, simulate=sim, stream=text)
         runs[name] = _metrics(out)
+        row = ROW + (2 if name == "cp" else 0)       # (48: a multiple of 2 x cp 2)
         assert "ebft:       strided, 2 documents per step" in text.getvalue()
+        assert f"batch:      2 sequences x {row} tokens = {2 * row} tokens/step" in text.getvalue()
+        flops = model_family(cfg).flops_per_token(model_config(cfg), row)
+        for m in runs[name]:
+            assert m["tokens"] == 2 * row
+            assert m["mfu_avg"] == pytest.approx(m["tokens_per_s_avg"] * flops / (1e9 * sim), rel=1e-9)
     assert len(runs["one"]) == 2
     for a, b in [(a, b) for other in ("fsdp_tp", "cp") for a, b in zip(runs["one"], runs[other])]:
         for key in ("loss", "ebft_mean_reward", "ebft_alignment", "ebft_diversity", "ebft_advantages_std"):
@@ -97,7 +111,10 @@ def test_validate_reads_the_documents_and_prints_the_ebft_line(data, tmp_path, c
     path = tmp_path / "ebft.yaml"
     path.write_text(yaml.safe_dump(_raw(data, tmp_path / "out", "pairs.jsonl", "ebft_strided_structured.transform")))
     assert cli.main(["validate", str(path), "--simulate", "2"]) == 0
-    assert "ebft:       strided, 4 documents per step" in capsys.readouterr().out     # 2 x dp 2
+    text = capsys.readouterr().out
+    assert "ebft:       strided, 4 documents per step" in text     # 2 x dp 2
+    # (the prompts' documents: their rows hold the blocks of a document without a prompt)
+    assert f"batch:      4 sequences x {ROW} tokens = {4 * ROW} tokens/step" in text
     assert not (tmp_path / "out").exists()
 
 
@@ -114,3 +131,35 @@ def test_bad_settings_are_refused_before_any_work(data, tmp_path, over, why):
     with pytest.raises(ConfigError, match=why):
         train(config(data, out, kind=kind, **over), simulate=1, stream=io.StringIO())
     assert not out.exists()
+
+
+def test_validate_memory_and_plan_count_the_block_parallel_rows(data, tmp_path, capsys, monkeypatch):
+    """``validate --memory``'s peak is the dry run of rows of ``ROW`` tokens (that of the same
+    config without EBFT at ``sequence_len: ROW``), and ``plan`` searches with such rows."""
+    import yaml
+
+    from functional_pp import cli
+    from functional_pp.app.report import human_bytes, planned_estimate
+    from functional_pp.cli import plan as plan_cli
+    from functional_pp.config.models import model_config
+    raw = _raw(data, tmp_path / "out", dp_shard_size=2)
+    path = tmp_path / "ebft.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert cli.main(["validate", str(path), "--simulate", "2", "--memory"]) == 0
+    peak = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("peak:"))
+    plain = TrainConfig.from_dict({**{k: v for k, v in raw.items() if k not in ("rl", "ebft")}, "sequence_len": ROW,
+                                   "datasets": [{"path": str(data / "text.jsonl"), "type": "completion"}]})
+    mesh = plain.mesh(2)
+    est = planned_estimate(plain, mesh, plain.build_rules(mesh), model_config(plain))
+    assert peak.startswith(f"peak:       {human_bytes(est.peak_bytes)} per device")
+    seen = {}
+
+    def search(loss, decls, n, batch, **kw):
+        seen.update(batch=batch, cp=kw["space"].max_axis["cp"])
+        raise RuntimeError("stop")
+    monkeypatch.setattr(plan_cli, "search", search)
+    with pytest.raises(RuntimeError, match="stop"):
+        plan_cli.rank_layouts(config(data, tmp_path / "p", sequence_len=2048), 4, stream=io.StringIO())
+    # documents of 2048 tokens: 511 blocks x 2 samples of 5 tokens, cp up to 7158 // 1024 = 6 (4 devices: 1, 2, 4),
+    # the rows padded to a multiple of 2 x 1, 2 x 2 and 2 x 4
+    assert seen["cp"] == 6 and seen["batch"]["tokens"][0][1] == 7160

@@ -265,9 +265,10 @@ def test_the_loss_and_gradients_equal_the_re_derivation_on_transformers(model):
     assert metrics["ebft_mean_reward"] == pytest.approx(float(torch.cat([x.reshape(-1) for x in r.rewards]).mean()))
 
 
-def _step(cfg, full, batch, mesh, rules, accum=1, processes=False):
+def _step(cfg, full, batch, mesh, rules, accum=1, processes=False, query_chunk=None):
     """One SGD step (lr 1) of the EBFT objective from ``full`` on ``mesh``: the loss and the
-    gradients (the update), float64."""
+    gradients (the update), float64; ``query_chunk``: the attention's blocks of queries
+    (ops/query_chunks.py) in the launched processes."""
     decls = llama.init(cfg, torch.float64)
     full = tree_map(lambda x: x.double(), full)
     objective = weighted_logps_objective(_policy(cfg))
@@ -276,6 +277,10 @@ def _step(cfg, full, batch, mesh, rules, accum=1, processes=False):
 
     def run():
         from harness import local_batch
+
+        from functional_pp.ops import query_chunks
+        if query_chunk:
+            query_chunks.QUERY_CHUNK = query_chunk
         with fpp.use_rules(rules):
             state = step.init(sharding.named_tree(sharding.shard(full, decls, mesh, rules, fpp.current_rank()), decls))
             local = {k: v.data for k, v in local_batch(batch, mesh, rules).items()}
@@ -317,6 +322,15 @@ def test_context_parallel_block_parallel_rows_equal_one_device(one_device):
 def test_a_step_on_two_gloo_processes_equals_one_device(one_device):
     cfg, full, batch, want = one_device
     _assert_same(_step(cfg, full, batch, fpp.Mesh(dp_shard=2), llama.default_rules(), processes=True), want)
+
+
+@pytest.mark.multiprocess
+def test_blocks_of_queries_on_two_gloo_cp_processes_equal_one_device(one_device):
+    """The rows split over cp 2 on two gloo processes, the attention by blocks of 5 queries
+    (each recomputed in backward) against the gathered keys: the one-device step."""
+    cfg, full, batch, want = one_device
+    _assert_same(_step(cfg, full, batch, fpp.Mesh(cp=2), llama.default_rules(tp=False), processes=True,
+                       query_chunk=5), want)
 
 
 def test_the_ebft_section_is_read_and_the_structured_mode_refused():

@@ -95,10 +95,26 @@ def test_the_pipeline_builder_sets_what_a_pipeline_runs_with_and_binding_changes
 
 @pytest.mark.parametrize("options, words", [({"precision": "fp8"}, "precision 'fp8'"),
                                             ({"metrics": "lazy"}, "metrics 'lazy'"),
-                                            ({"grad_accum": 0}, "grad_accum must be >= 1")])
+                                            ({"grad_accum": 0}, "grad_accum must be >= 1"),
+                                            ({"throughput_tokens": "docs"}, "throughput_tokens 'docs': choose one of "
+                                                                            "labels, rows")])
 def test_a_bad_setting_is_refused_when_the_step_is_built(options, words):
     with pytest.raises(ValueError, match=words):
         _step(**options)
+
+
+def test_the_tokens_metric_counts_labels_or_every_position_of_the_rows():
+    """``throughput_tokens``: the non-ignored labels (tokens/s of trained tokens) or every position
+    of the rows the step computes (EBFT's block-parallel rows), over accumulated micro-batches."""
+    ids = torch.randint(0, CFG.vocab, (4, 9), generator=torch.Generator().manual_seed(0))
+    labels = ids[:, 1:].clone()
+    labels[:, :5] = -100
+    batch = {"tokens": ids[:, :-1].contiguous(), "labels": labels}
+    for counted, want in (("labels", 4 * 3), ("rows", 4 * 8)):
+        step = _step(throughput_tokens=counted, grad_accum=2)
+        state = step.init(fpp.init(llama.init, CFG, torch.float32, seed=0))
+        _, m = step(state, batch)
+        assert float(m["tokens"]) == want
 
 
 def test_both_metrics_modes_train_alike():
