@@ -1,7 +1,7 @@
-"""The checks the vision-language families' tests share (tests/models/test_{gemma4_vision, gemma4_unified,
-glm4v, internvl, lfm2_vl, llama4_vision, paddleocr_vl, qwen3_5_vision}.py): a family's tiny rows with
-images (:class:`ImageRows`), and its loss, gradients, layouts, LoRA and export against transformers,
-peft and one device."""
+"""The checks the vision-language families' tests share (tests/models/test_{gemma4_vision,
+gemma4_unified, glm4v, internvl, lfm2_vl, llama4_vision, llava_clip, paddleocr_vl, pixtral,
+qwen3_5_vision}.py): a family's tiny rows with images (:class:`ImageRows`), and its loss, gradients,
+layouts, LoRA and export against transformers, peft and one device."""
 from __future__ import annotations
 
 import dataclasses
@@ -117,6 +117,35 @@ def grid_case(hf_class: str, image_token_id: int, patch_shape: tuple[int, ...], 
     return ImageRows(hf_class, image_token_id, rows, hf_inputs, entries)
 
 
+def sized_case(hf_class: str, image_token_id: int, sizes: list[list[tuple[int, int]]], side: int,
+               spans: dict[int, list[tuple[int, int]]], *, seq: int, image_sizes: bool = True,
+               **image_kw) -> ImageRows:
+    """The rows of the towers that take each image whole (Pixtral's, CLIP's): one row per entry of
+    ``sizes`` (its images' (height, width) in pixels, each image ``side`` x ``side`` pixels of N(0, 1)),
+    ids in [0, 300) with the image token over each row's ``spans`` ((start, end) columns), ``seq`` long
+    by default; transformers takes ``pixel_values`` (and ``image_sizes`` where ``image_sizes``), ours
+    ``image_batch``'s entries (``image_kw``: its patch, merge and tower settings)."""
+    from functional_pp.data.images import image_batch
+
+    def rows(seed=0, seq=seq, dtype=torch.float32):
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, 300, (len(sizes), seq), generator=g)
+        for row, row_spans in spans.items():
+            for start, end in row_spans:
+                ids[row, start:end] = image_token_id
+        pixels = [torch.randn(len(s), 3, side, side, generator=g, dtype=dtype) if s else None for s in sizes]
+        return ids, pixels
+
+    def hf_inputs(ids, pixels):
+        extra = {"image_sizes": torch.tensor([x for s in sizes for x in s])} if image_sizes else {}
+        return dict(input_ids=ids, pixel_values=torch.cat([p for p in pixels if p is not None]), **extra)
+
+    def entries(ids, pixels, cfg=None):
+        return image_batch(ids, pixels, [torch.tensor(s) if s else None for s in sizes],
+                           image_token_id=image_token_id, **image_kw)
+    return ImageRows(hf_class, image_token_id, rows, hf_inputs, entries)
+
+
 def padded_images(images: list[torch.Tensor]) -> torch.Tensor:
     """Images (C, H, W) stacked, each padded with zeros at the bottom and right to the largest."""
     h, w = max(im.shape[1] for im in images), max(im.shape[2] for im in images)
@@ -180,13 +209,14 @@ def pooled_case(hf_class: str, tokens: tuple[int, int, int], patch: int, pool: i
     return ImageRows(hf_class, image, rows, hf_inputs, entries)
 
 
-def assert_logits_equal_hf(case: ImageRows, model, d, cfg, atol: float, rtol: float = 1e-5):
-    """Our float32 logits of rows of seed 0 equal transformers' ``model``'s (``atol`` / ``rtol``); without
-    the images they differ (by more than 0.1), and without their 3D positions where the entries hold
-    them (1e-3); a row without images is its text alone's (1e-5). Returns the parameters, the rows and
-    transformers' logits."""
-    params = hf.load_hf_params(d, cfg)
-    ids, pixels = case.rows()
+def assert_logits_equal_hf(case: ImageRows, model, d, cfg, atol: float, rtol: float = 1e-5,
+                           dtype: torch.dtype | None = None):
+    """Our logits of rows of seed 0 equal transformers' ``model``'s (``atol`` / ``rtol``; ``dtype``: the
+    parameters' and rows', default the checkpoint's and float32); without the images they differ (by
+    more than 0.1), and without their 3D positions where the entries hold them (1e-3); a row without
+    images is its text alone's (1e-5). Returns the parameters, the rows and transformers' logits."""
+    params = hf.load_hf_params(d, cfg, dtype=dtype)
+    ids, pixels = case.rows(dtype=dtype or torch.float32)
     with torch.no_grad():
         want = model(**case.hf_inputs(ids, pixels)).logits
     got, text_only = case.logits(params, cfg, ids, pixels), case.logits(params, cfg, ids)
@@ -258,16 +288,24 @@ def assert_processes_equal_one_device(case: ImageRows, cfg, seeds=(0, 1), atol: 
     """AdamW steps (one per rows of ``seeds``) with images on DP x FSDP (2 x 2) as four real gloo
     processes equal one device's: losses and parameters (``atol``). Returns one device's parameters."""
     data = [case.batch(*case.rows(seed=s, dtype=torch.float64), cfg) for s in seeds]
-    one = fpp.launch(train_steps(cfg, data, fpp.Mesh(), fpp.Rules(), batch_dims=BATCH_DIMS), fpp.Mesh())[0]
+    return assert_runs_on_processes_equal_one_device([(cfg, data)], atol)[0]
+
+
+def assert_runs_on_processes_equal_one_device(runs: list[tuple[object, list[dict]]], atol: float = 1e-12) -> list[dict]:
+    """:func:`assert_processes_equal_one_device` for several models in one launch: each ``(cfg, batches)``
+    of ``runs`` trained in turn by the same four gloo processes. Returns one device's parameters of each."""
+    def all_runs(mesh, rules):
+        steps = [train_steps(cfg, data, mesh, rules, batch_dims=BATCH_DIMS) for cfg, data in runs]
+        return lambda: [step() for step in steps]
+    ones = fpp.launch(all_runs(fpp.Mesh(), fpp.Rules()), fpp.Mesh())[0]
     mesh = fpp.Mesh(dp_replicate=2, dp_shard=2)
-    for losses, params, _ in fpp.launch(train_steps(cfg, data, mesh, llama.default_rules(tp=False),
-                                                    batch_dims=BATCH_DIMS), mesh,
-                                        processes=True, timeout=600):
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(one[0]), rtol=1e-10, atol=0)
-        for p, x in params.items():
-            torch.testing.assert_close(torch.from_numpy(x), torch.from_numpy(one[1][p]), rtol=1e-8, atol=atol,
-                                       msg=lambda m: f"{p}: {m}")
-    return one[1]
+    for got in fpp.launch(all_runs(mesh, llama.default_rules(tp=False)), mesh, processes=True, timeout=600):
+        for (losses, params, _), one in zip(got, ones, strict=True):
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(one[0]), rtol=1e-10, atol=0)
+            for p, x in params.items():
+                torch.testing.assert_close(torch.from_numpy(x), torch.from_numpy(one[1][p]), rtol=1e-8, atol=atol,
+                                           msg=lambda m: f"{p}: {m}")
+    return [one[1] for one in ones]
 
 
 def assert_lora_equals_peft(case: ImageRows, d, cfg, targets, *, seed: int, rows_seed: int, count: int,

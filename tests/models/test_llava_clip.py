@@ -8,16 +8,14 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
-from harness import parallel, single_device
+from vision_harness import (assert_logits_equal_hf, assert_loss_and_grads_equal_hf,
+                            assert_rows_layout_equals_one_device, config_of, renaming, saved_config, sized_case)
 
-import functional_pp as fpp
 from functional_pp.checkpoint import hf
 from functional_pp.core import tree
-from functional_pp.data.images import IMAGE_DIMS, image_batch
-from functional_pp.models import llama, pixtral_hf
-from functional_pp.parallel import sharding
+from functional_pp.data.images import image_batch
+from functional_pp.models import pixtral_hf
 
 transformers = pytest.importorskip("transformers")
 
@@ -27,6 +25,18 @@ TEXT = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden
 VISION = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=3,
               num_attention_heads=2, image_size=8, patch_size=4, projection_dim=16, hidden_act="quick_gelu")
 COUNTS = [2, 1, 0, 1]                  # images per row (8 x 8 pixels: 4 patches, +1 with the class token)
+STARTS = {0: [1, 9], 1: [4], 3: [10]}  # where each row's images' tokens start
+
+
+def case(strategy):
+    """Rows with 4 (default: the class token dropped) or 5 (full) image tokens per image."""
+    per = 4 if strategy == "default" else 5
+    return sized_case("LlavaForConditionalGeneration", IMAGE, [[(8, 8)] * n for n in COUNTS], 8,
+                      {b: [(s, s + per) for s in ss] for b, ss in STARTS.items()}, seq=18, image_sizes=False,
+                      patch=4, merge=1, class_token="dropped" if strategy == "default" else "kept", image_size=8)
+
+
+DEFAULT = case("default")
 
 
 def save(d, strategy, layer=-2):
@@ -39,10 +49,7 @@ def save(d, strategy, layer=-2):
         for n, p in model.named_parameters():
             if p.ndim == 1 or "embedding" in n:
                 p.add_(0.3 * torch.randn_like(p))
-    model.save_pretrained(d)
-    raw = json.loads((d / "config.json").read_text())
-    return model, dataclasses.replace(hf.config_from_hf(raw), vision=pixtral_hf.vision_from_hf(raw))
-
+    return model, saved_config(model, d)
 
 
 @pytest.fixture(scope="module")
@@ -52,90 +59,27 @@ def saved_default(tmp_path_factory):
     return model, d, cfg
 
 
-def rows(strategy, seed=0, seq=18, dtype=torch.float32):
-    """Token rows with 4 (default) or 5 (full) image tokens per image, and each row's pixels."""
-    per = 4 if strategy == "default" else 5
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 300, (len(COUNTS), seq), generator=g)
-    starts = {0: [1, 9], 1: [4], 3: [10]}
-    for b, ss in starts.items():
-        for s in ss:
-            ids[b, s:s + per] = IMAGE
-    pixels = [torch.randn(n, 3, 8, 8, generator=g, dtype=dtype) if n else None for n in COUNTS]
-    return ids, pixels
-
-
-def entries(ids, pixels, strategy):
-    return image_batch(ids, pixels, [torch.tensor([[8, 8]] * n) if n else None for n in COUNTS], patch=4,
-                       merge=1, image_token_id=IMAGE, class_token="dropped" if strategy == "default" else "kept",
-                       image_size=8)
-
-
-def labels_of(ids):
-    lab = ids[:, 1:].clone()
-    lab[lab == IMAGE] = -100
-    return lab
-
-
-def batch_of(ids, pixels, strategy):
-    b = {k: v[:, :-1] if k == "image_slots" else v for k, v in entries(ids, pixels, strategy).items()}
-    return {"tokens": ids[:, :-1], "labels": labels_of(ids), **b}
-
-
-def hf_pixels(pixels):
-    return torch.cat([p for p in pixels if p is not None])
-
-
 @pytest.mark.parametrize("strategy", ["default", "full"])
 def test_loss_logits_and_every_gradient_equal_transformers(tmp_path, strategy):
-    _, cfg = save(tmp_path, strategy)
+    model, cfg = save(tmp_path, strategy)
     assert (cfg.vision.tower, cfg.vision.feature_layer, cfg.vision.select_strategy) == ("clip", -2, strategy)
-    model = transformers.LlavaForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.float64,
-                                                                       attn_implementation="eager")
-    params = hf.load_hf_params(tmp_path, cfg, dtype=torch.float64)
-    ids, pixels = rows(strategy, dtype=torch.float64)
-    logits = model(input_ids=ids, pixel_values=hf_pixels(pixels)).logits
-    with torch.no_grad():
-        named = sharding.named_tree(params, llama.init(cfg))
-        images = {k: fpp.wrap(v, IMAGE_DIMS[k]) for k, v in entries(ids, pixels, strategy).items()}
-        got = llama.forward(named, fpp.wrap(ids, "batch seq"), cfg, images=images).value()
-        text_only = llama.forward(named, fpp.wrap(ids, "batch seq"), cfg).value()
-    torch.testing.assert_close(got, logits.detach(), atol=1e-5, rtol=1e-5)   # (its fp32 rotary tables)
-    assert (text_only - logits).abs().max() > 0.1           # the images matter
-    loss, grads = single_device(cfg, params, batch_of(ids, pixels, strategy))
-    want = F.cross_entropy(logits[:, :-1].reshape(-1, cfg.vocab), labels_of(ids).reshape(-1))
-    want.backward()
-    torch.testing.assert_close(loss, want.detach(), rtol=1e-7, atol=0)
-    hf_grads = {n: p.grad for n, p in model.named_parameters()}
-    ours = dict(tree.leaves_with_paths(grads))
-    files = hf._file_tensors(llama.init(cfg), cfg)
-    assert len(files) == len(hf_grads) - 16 - 2     # (not the unused last layer, post_layernorm)
-    module = {"language_model.model.": "model.language_model.", "vision_tower.vision_model.": "model.vision_tower.",
-              "multi_modal_projector.": "model.multi_modal_projector.", "language_model.lm_head.": "lm_head."}
-    checked = 0
-    for name, ((p, kind, _),) in files:
-        key = next(name.replace(a, b, 1) for a, b in module.items() if name.startswith(a))
-        want_g = hf_grads.pop(key)
-        checked += name.startswith("vision_tower.")
-        torch.testing.assert_close(kind.to_hf(ours[p]), want_g, rtol=1e-5,
-                                   atol=max(1e-6 * want_g.abs().max().item(), 1e-9), msg=lambda m: f"{name}: {m}")
-    assert checked == 5 + 2 * 16           # the embeddings, pre_layrnorm and two layers' tensors
-    assert all(g is None and ("layers.2." in n or "post_layernorm" in n) for n, g in hf_grads.items())
+    rows = case(strategy)
+    # fp64 (atol: transformers' float32 rotary tables)
+    assert_logits_equal_hf(rows, rows.hf_model(tmp_path), tmp_path, cfg, atol=1e-5, dtype=torch.float64)
+    module = renaming(("language_model.model.", "model.language_model."),
+                      ("vision_tower.vision_model.", "model.vision_tower."),
+                      ("multi_modal_projector.", "model.multi_modal_projector."),
+                      ("language_model.lm_head.", "lm_head."))
+    names = assert_loss_and_grads_equal_hf(rows, tmp_path, cfg, seed=0, rtol=1e-5, scale=1e-6, module=module)
+    # (the unused last layer and post_layernorm: not held, and no gradient in transformers)
+    assert len(names) == len(list(model.named_parameters())) - 16 - 2
+    assert sum(name.startswith("vision_tower.") for name in names) == 5 + 2 * 16    # embeddings, pre_layrnorm,
+    # two layers
 
 
-@pytest.mark.parametrize("mesh, rules", [(fpp.Mesh(dp_shard=2), "fsdp"), (fpp.Mesh(tp=2), "tp"),
-                                         (fpp.Mesh(cp=2), "cp")])
-def test_fsdp_tp_and_cp_equal_one_device(saved_default, mesh, rules):
-    _, d, cfg = saved_default
-    params = hf.load_hf_params(d, cfg, dtype=torch.float64)
-    rules = llama.default_rules(tp=rules == "tp", fsdp=rules == "fsdp")
-    ids, pixels = rows("default", seed=2, seq=17, dtype=torch.float64)
-    batch = batch_of(ids, pixels, "default")
-    loss0, grads0 = single_device(cfg, params, batch)
-    for rank, (loss, grads, _) in enumerate(parallel(cfg, params, batch, mesh, rules)):
-        torch.testing.assert_close(loss, loss0, rtol=1e-12, atol=1e-12)
-        for (p, g), (_, g0) in zip(tree.leaves_with_paths(grads), tree.leaves_with_paths(grads0)):
-            torch.testing.assert_close(g, g0, rtol=1e-9, atol=1e-12, msg=lambda m: f"rank {rank} {p}: {m}")
+@pytest.mark.parametrize("layout", ["fsdp", "tp", "cp"])
+def test_fsdp_tp_and_cp_equal_one_device(saved_default, layout):
+    assert_rows_layout_equals_one_device(DEFAULT, saved_default[1], saved_default[2], layout, seq=17)
 
 
 def test_export_loads_in_transformers_with_our_logits(saved_default, tmp_path):
@@ -148,7 +92,7 @@ def test_export_loads_in_transformers_with_our_logits(saved_default, tmp_path):
     raw = json.loads((out / "config.json").read_text())
     assert raw["architectures"] == ["LlavaForConditionalGeneration"]
     assert raw["vision_config"]["model_type"] == "clip_vision_model"
-    assert dataclasses.replace(hf.config_from_hf(raw), vision=pixtral_hf.vision_from_hf(raw)) == cfg
+    assert config_of(raw) == cfg
     loaded, info = transformers.LlavaForConditionalGeneration.from_pretrained(out, dtype=torch.float32,
                                                                               output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info     # (nothing newly initialised)
@@ -169,19 +113,16 @@ def test_export_loads_in_transformers_with_our_logits(saved_default, tmp_path):
     hf.save_hf_llama(hf.load_hf_params(d, text_only), text_only, tmp_path / "text", base_model=d, copied=none)
     assert none == []                          # (another class: nothing of the towers copied)
     loaded.eval()
-    ids, pixels = rows("default")
+    ids, pixels = DEFAULT.rows()
     with torch.no_grad():
-        want = loaded(input_ids=ids, pixel_values=hf_pixels(pixels)).logits
-        named = sharding.named_tree(moved, llama.init(cfg))
-        images = {k: fpp.wrap(v, IMAGE_DIMS[k]) for k, v in entries(ids, pixels, "default").items()}
-        got = llama.forward(named, fpp.wrap(ids, "batch seq"), cfg, images=images).value()
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        want = loaded(**DEFAULT.hf_inputs(ids, pixels)).logits
+    torch.testing.assert_close(DEFAULT.logits(moved, cfg, ids, pixels), want, atol=1e-5, rtol=1e-5)
 
 
 def test_bad_inputs_are_refused_by_name():
-    ids, pixels = rows("default")
+    ids, pixels = DEFAULT.rows()
     with pytest.raises(ValueError, match=r"row 0 holds 8 image tokens \(id 400\) but its 2 images make 10"):
-        entries(ids, pixels, "full")
+        case("full").entries(ids, pixels)
     with pytest.raises(ValueError, match=r"an image of 8 x 4 pixels; a CLIP tower takes 8 x 8"):
         image_batch(ids[:1], [torch.zeros(1, 3, 8, 8)], [torch.tensor([[8, 4]])], patch=4, merge=1,
                     image_token_id=IMAGE, class_token="dropped", image_size=8)
