@@ -32,6 +32,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from functional_pp._torch.selective_checkpoint import checkpoint_policy_sees_outputs, selective_checkpoint_contexts
 from functional_pp.core.observers import saved_for_backward
+from functional_pp.core.policy import SELECTIVE_REMAT
 
 __all__ = ["SAVED_OPS", "POLICIES", "saves", "policy", "alternate_matmuls_policy", "selective_contexts",
            "is_selective"]
@@ -52,7 +53,7 @@ ATTENTION = _overloads("_scaled_dot_product_flash_attention", "_scaled_dot_produ
 #: the ops whose results a selective region keeps (everything else in it is recomputed)
 SAVED_OPS: frozenset = MATMULS | ATTENTION
 #: the selective policies, by the ``remat`` value that names them (core/policy.py's REMAT_MODES)
-POLICIES = ("selective", "selective_alternate")
+POLICIES = SELECTIVE_REMAT
 
 
 def is_selective(remat: object) -> bool:

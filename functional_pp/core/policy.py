@@ -24,7 +24,8 @@ CP_ATTENTION = ("ring", "allgather")
 #: what ``remat`` may be: False (keep every activation), True (recompute whole layers) or
 #: "selective" (keep matrix products' and attention's results, recompute the rest) or
 #: "selective_alternate" (torchtitan's op policy: the same, but every second matrix product recomputed)
-REMAT_MODES = (False, True, "selective", "selective_alternate")
+SELECTIVE_REMAT = ("selective", "selective_alternate")
+REMAT_MODES = (False, True, *SELECTIVE_REMAT)
 # the fields an op reads from the ambient policy (functional_pp.configure sets them)
 AMBIENT = ("remat", "keep_gathered", "cp_attention", "regather_activations", "reduce_dtype", "check_rep")
 # the fields only a training step applies (fpp.train_step(...) / TrainStep(policy=...))
