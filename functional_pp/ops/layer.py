@@ -56,6 +56,9 @@ def remat(fn: Callable[..., Named], out_like: int | None = None, *,
     ``selective="selective_alternate"`` recomputes every second matrix product too (torchtitan's)."""
     name = getattr(fn, "__qualname__", None) or type(fn).__name__
     selective = "selective" if selective is True else selective
+    if selective is not False and selective not in POLICIES:
+        raise ValueError(f"remat(selective={selective!r}): use True (every matmul's result kept) or one of "
+                         f"{POLICIES} ('selective_alternate': every second matmul recomputed, torchtitan's op policy)")
     context_fn = functools.partial(selective_contexts, name, selective) if selective else noop_context_fn
 
     @functools.wraps(fn)

@@ -104,6 +104,8 @@ def test_remat_modes_are_checked():
         fpp.train_step(lambda p, b: p, fpp.optim.sgd(0.1), remat="op")
     assert fpp.Policy(remat="selective").remat == "selective"
     assert fpp.Policy(remat="selective_alternate").remat == "selective_alternate"
+    with pytest.raises(ValueError, match="selective_alternate"):
+        fpp.remat(lambda x: x, selective="alternate")
 
 
 def test_selective_remat_with_per_layer_compilation_is_refused_by_name():
