@@ -550,7 +550,7 @@ class Instrumented:
         tracker = self.tracker
         if tracker is None:
             return self.loss_fn(params, batch)
-        tracker.phase, tracker.layer = "forward", None
+        tracker.begin_forward()
         if self.repeated and isinstance(params, dict) and isinstance(params.get(self.repeated), list):
             params = {**params, self.repeated: _Layers(params[self.repeated], tracker)}
         out = self.loss_fn(params, batch)

@@ -497,6 +497,12 @@ class MemoryTracker(TorchDispatchMode):
         n = self._seen_sigs[sig] = self._seen_sigs.get(sig, -1) + 1
         return (*sig, n)
 
+    def begin_forward(self) -> None:
+        """A forward pass of the loss begins (each micro-step's): no layer yet, and each layer's
+        matmuls counted afresh, as torchtitan's op policy counts them per run of a block."""
+        self.phase, self.layer = "forward", None
+        self._mm_in_layer = {}
+
     def _policy_keeps(self, func) -> bool:
         """Whether the selective policy keeps the result of this call of ``func`` in the open
         layer's forward (the same count as the policy's, compile/selective.py)."""

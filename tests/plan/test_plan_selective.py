@@ -93,3 +93,19 @@ def test_a_layout_that_fits_only_with_every_second_matmul_recomputed_is_found(st
     chosen = ranked((reserved["selective"] + reserved["selective_alternate"]) / 2,
                     exhaustive if strategy == "exhaustive" else beam(1))[0]
     assert chosen.settings["fits"] and chosen.settings["remat"] == "selective_alternate"
+
+
+def test_torchtitans_recomputation_is_counted_afresh_in_each_micro_step():
+    """torchtitan's policy counts a block's matmuls per run: with two micro-steps the FLOPs the time
+    model adds for it (``selective_ac="op"``) are the ones the dry-run recomputes under it (Llama's 7
+    matmuls a layer: a count running on across micro-steps would recompute q, v, gate and down in the
+    second one instead of k, o and up)."""
+    def run(remat):
+        return plan.estimate(functools.partial(llama.loss, cfg=CFG), llama.init(CFG), fpp.Mesh(), fpp.Rules(),
+                             BATCH, remat=remat, timeline=False, grad_accum=2)
+    plain, alternate = run(False), run("selective_alternate")
+
+    def backward_flops(est):
+        return est.extrapolate(lambda r: r.linear_flops.get("backward", 0.0))
+    every_other = plain.extrapolate(lambda r: r.every_other_mm_forward)
+    assert backward_flops(alternate) - backward_flops(plain) == pytest.approx(every_other, rel=1e-9)
