@@ -8,6 +8,7 @@ measured, each beside the step without levers.
 
 Levers (``--levers``): ``none``; ``full`` (``remat=True``: each layer recomputed in backward);
 ``selective`` (``remat="selective"``: matmul and attention results kept, the rest recomputed);
+``selective_alternate`` (torchtitan's op policy: the same with every second matmul recomputed);
 ``offload_params`` (master weights, gradients and optimizer state on the host, the update
 there); ``activation_offloading`` (saved activations to pinned host memory; CUDA only).
 The model is ``benchmarks/gpu.py``'s 1B row (16 layers, tied embeddings), AdamW, donated
@@ -45,6 +46,7 @@ LEVERS = {
     "none": {},
     "full": {"remat": True},
     "selective": {"remat": "selective"},
+    "selective_alternate": {"remat": "selective_alternate"},
     "offload_params": {"offload_params": True},
     "activation_offloading": {"activation_offloading": True},
 }

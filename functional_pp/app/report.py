@@ -154,7 +154,8 @@ def describe(cfg: TrainConfig, world: World, mesh, rules, model_cfg, corpus=None
         + (f", checkpoint every {cfg.checkpoint.save_every}" if cfg.saves_per_epoch else "")
         + (f", held-out loss every {cfg.eval_steps}" if cfg.evals_per_epoch else "")
         + f", precision {cfg.precision}"
-        + ({True: ", activation checkpointing", "selective": ", selective activation checkpointing"}
+        + ({True: ", activation checkpointing", "selective": ", selective activation checkpointing",
+            "selective_alternate": ", selective activation checkpointing (every second matmul recomputed)"}
            .get(cfg.activation_checkpointing, ""))
         + (f", compile={cfg.compile}" if cfg.compile else "")
         + (f", LISA: {cfg.lisa_n_layers} decoder layers trained at a time, drawn every {cfg.lisa_step_interval} "

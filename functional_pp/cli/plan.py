@@ -55,7 +55,7 @@ def config_space(cfg, *, orders: str = "default", pp: tuple[int, ...] = (1,), ep
     a recurrence along the sequence is searched too: the time model runs their blocks device after device,
     ``plan.timing.run_components``)."""
     given = cfg._given
-    remat = (cfg.activation_checkpointing,) if "activation_checkpointing" in given else (False, "selective", True)
+    remat = (cfg.activation_checkpointing,) if "activation_checkpointing" in given else (False, "selective", "selective_alternate", True)
     micro = (cfg.micro_batch_size,) if "micro_batch_size" in given else "all"
     keep = (not cfg.reshard_after_forward,) if "reshard_after_forward" in given else (False, True)
     return Space(orders=orders, precision=cfg.resolved_precision(), remat=remat, micro_batch_sizes=micro,

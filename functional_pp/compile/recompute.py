@@ -10,7 +10,8 @@ Two kinds of values are better recomputed by the backward than kept:
 * every activation of a remat region (:func:`functional_pp.remat`, a declared layer under
   ``train_step(remat=True)``), tagged by :func:`remat_region`; in a selective region
   (``remat="selective"``, :mod:`functional_pp.compile.selective`) the results of matrix
-  products and attention are kept and only the other members are recomputed.
+  products and attention are kept and only the other members are recomputed (under
+  ``"selective_alternate"`` every second matrix product too).
 
 :func:`reissue_for_backward` rewrites the graph: for each region, the members the backward
 uses are computed again (from the region's inputs and kept outputs) right before the first
@@ -39,7 +40,7 @@ import torch
 
 from functional_pp._torch import (annotate, dynamo_marks_backward_nodes, is_backward_node, is_tracing,
                                   joint_forward_nodes, recompute_in_backward)
-from functional_pp.compile.selective import saves
+from functional_pp.compile.selective import MATMULS, keeps_matmul, saves
 from functional_pp.core.graph_tags import (BACKWARD, LEAF, RECOMPUTED, REGATHER, REMAT,  # noqa: F401 (re-exported)
                                            SELECTIVE)
 from functional_pp.core.runtime import per_thread
@@ -85,10 +86,11 @@ def recomputed_leaf():
     return tag_region(LEAF)
 
 
-def remat_region(selective: bool = False):
+def remat_region(selective: bool | str = False):
     """Context for a region whose activations backward recomputes (under compile); with
-    ``selective`` the results of matrix products and attention are kept instead."""
-    return tag_region(REMAT, **({SELECTIVE: True} if selective else {}))
+    ``selective`` (True or a policy of :data:`~functional_pp.compile.selective.POLICIES`) the
+    results the policy keeps (matrix products and attention) are kept instead."""
+    return tag_region(REMAT, **({SELECTIVE: "selective" if selective is True else selective} if selective else {}))
 
 
 def backward_region():
@@ -138,8 +140,10 @@ def _region(node: torch.fx.Node):
     return None
 
 
-def _selective(node: torch.fx.Node) -> bool:
-    return bool((node.meta.get("custom") or {}).get(SELECTIVE))
+def _selective(node: torch.fx.Node) -> str | None:
+    """The selective policy of a node's region (``"selective"``, ``"selective_alternate"``), or None."""
+    tag = (node.meta.get("custom") or {}).get(SELECTIVE)
+    return ("selective" if tag is True else tag) or None
 
 
 def op_name(node: torch.fx.Node) -> str:
@@ -160,11 +164,19 @@ def _selectively_kept(members: list[torch.fx.Node]) -> set[torch.fx.Node]:
     """The members of a selective region that backward reads instead of recomputing: the
     results of the ops :func:`~functional_pp.compile.selective.saves` keeps, and the views of
     them. Recomputing such a view would be free, but the forward view would then die early and
-    the in-place pass (compile/reinplace.py) could write into the kept storage through it."""
+    the in-place pass (compile/reinplace.py) could write into the kept storage through it.
+    Under ``"selective_alternate"`` the region's 2nd, 4th, ... matrix product (graph order, the
+    order eager issues them) is recomputed."""
     kept: set = set()
+    matmuls = 0
     for n in members:                   # graph order: a view comes after what it views
-        if not _selective(n):
+        policy_name = _selective(n)
+        if policy_name is None:
             continue
+        if n.target in MATMULS:
+            matmuls += 1
+            if not keeps_matmul(policy_name, matmuls):
+                continue
         if saves(n.target) or (op_name(n) in _VIEWS and n.all_input_nodes
                                and all(a in kept for a in _tensor_inputs(n))):
             kept.add(n)

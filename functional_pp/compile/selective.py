@@ -3,9 +3,15 @@
 ``remat="selective"`` (docs/memory.md, "Selective recomputation") checkpoints each
 ``fpp.layer`` call like full remat, but keeps the results of the expensive ops -- matrix
 products and attention kernels (:data:`SAVED_OPS`) -- and recomputes only the cheap ones
-(norms, activations, rotary, casts, collectives). torchtitan's ``op`` policy
-(``torchtitan/distributed/activation_checkpoint.py``) is the model; unlike it, every matrix
-product is kept, not every second one.
+(norms, activations, rotary, casts, collectives). Two policies (:data:`POLICIES`), named by the
+step's ``remat``:
+
+* ``"selective"``: every matrix product's result is kept;
+* ``"selective_alternate"``: torchtitan's ``op`` policy (``_custom_policy`` in
+  ``torchtitan/distributed/activation_checkpoint.py``): every second matrix product of a region
+  (its 2nd, 4th, ... in call order, counted separately in the forward and in the recomputation) is
+  recomputed, the others kept. torchtitan counts ``aten.mm`` calls, which every linear projection
+  is there; here every op of :data:`MATMULS` counts (a projection may be an ``mm`` or a ``bmm``).
 
 Two consumers read the same list:
 
@@ -24,10 +30,12 @@ import optree
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from functional_pp._torch.selective_checkpoint import selective_checkpoint_contexts
+from functional_pp._torch.selective_checkpoint import checkpoint_policy_sees_outputs, selective_checkpoint_contexts
 from functional_pp.core.observers import saved_for_backward
+from functional_pp.core.policy import SELECTIVE_REMAT
 
-__all__ = ["SAVED_OPS", "saves", "policy", "selective_contexts"]
+__all__ = ["SAVED_OPS", "POLICIES", "saves", "policy", "alternate_matmuls_policy", "selective_contexts",
+           "is_selective"]
 
 _aten = torch.ops.aten
 
@@ -44,6 +52,18 @@ ATTENTION = _overloads("_scaled_dot_product_flash_attention", "_scaled_dot_produ
                        "_flash_attention_forward", "_efficient_attention_forward")
 #: the ops whose results a selective region keeps (everything else in it is recomputed)
 SAVED_OPS: frozenset = MATMULS | ATTENTION
+#: the selective policies, by the ``remat`` value that names them (core/policy.py's REMAT_MODES)
+POLICIES = SELECTIVE_REMAT
+
+
+def is_selective(remat: object) -> bool:
+    """Whether a step's ``remat`` is one of the selective policies (:data:`POLICIES`)."""
+    return isinstance(remat, str) and remat in POLICIES
+
+
+def keeps_matmul(policy_name: str, count: int) -> bool:
+    """Whether ``policy_name`` keeps the ``count``-th (from 1) matrix product of a region."""
+    return policy_name != "selective_alternate" or count % 2 == 1
 
 
 def saves(target: Any) -> bool:
@@ -65,8 +85,28 @@ def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE
 
 
-def selective_contexts(region: str | None = None):
-    """The ``context_fn`` for ``torch.utils.checkpoint.checkpoint``: the forward context
-    caches :data:`SAVED_OPS`' results, the recomputation context replays them (and raises,
-    naming ``region``, where it issues them differently from the forward)."""
-    return selective_checkpoint_contexts(policy, region)
+def alternate_matmuls_policy() -> Any:
+    """torchtitan's op policy for one region: :func:`policy`, except that every second matrix
+    product (counted per run: forward and recomputation each from 1) is recomputed."""
+    counts = {False: 0, True: 0}
+
+    def alternate(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if func in MATMULS:
+            # torch <= 2.11 asks twice per forward op, the second time only to show its result
+            # (_torch/selective_checkpoint.py): that ask is not another matrix product
+            if ctx.is_recompute or checkpoint_policy_sees_outputs() or not hasattr(ctx, "op_output"):
+                counts[ctx.is_recompute] += 1
+            if not keeps_matmul("selective_alternate", counts[ctx.is_recompute]):
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return policy(ctx, func, *args, **kwargs)
+    return alternate
+
+
+def selective_contexts(region: str | None = None, policy_name: str = "selective"):
+    """The ``context_fn`` for ``torch.utils.checkpoint.checkpoint`` under ``policy_name``
+    (:data:`POLICIES`): the forward context caches the kept results, the recomputation context
+    replays them (and raises, naming ``region``, where it issues them differently from the forward)."""
+    if policy_name not in POLICIES:
+        raise ValueError(f"selective checkpointing policy {policy_name!r}: choose one of {POLICIES}")
+    chosen = alternate_matmuls_policy() if policy_name == "selective_alternate" else policy
+    return selective_checkpoint_contexts(chosen, region)

@@ -15,6 +15,7 @@ from functional_pp.config import sparse_recipe
 from functional_pp.config.fsdp_keys import FSDP_KEYS, deepspeed_settings, fsdp_settings
 from functional_pp.config.keys import LORA_KEYS
 from functional_pp.config.schema import Issues
+from functional_pp.core.policy import SELECTIVE_REMAT
 
 __all__ = ["ALIASES", "UNSUPPORTED", "DATASET_UNSUPPORTED", "UNSUPPORTED_PREFIXES", "VALUE_ALIASES", "VALUE_NOTES",
            "REFUSED_VALUES", "ACCELERATE_LAUNCHER",
@@ -545,7 +546,7 @@ def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
     if isinstance(out.get("activation_offloading"), str) and out["activation_offloading"].lower() == "legacy":
         out["activation_offloading"] = True         # Axolotl's older implementation of the same
     fsdp_remat = fsdp.pop("activation_checkpointing", False)
-    if fsdp_remat and out.get("activation_checkpointing") != "selective":   # FSDP's or the trainer's: either
+    if fsdp_remat and out.get("activation_checkpointing") not in SELECTIVE_REMAT:   # FSDP's or the trainer's: either
         out["activation_checkpointing"] = fsdp_remat
     for k, v in fsdp.items():
         _put(out, k, v, f"fsdp_config.{k}", issues)

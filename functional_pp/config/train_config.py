@@ -115,9 +115,10 @@ class TrainConfig:
                                                     "where the GPU supports it, else fp32")
     fp16: bool | None = fld(None, "Axolotl: true = precision fp16")
     tf32: bool | None = fld(None, "allow TF32 matmuls on CUDA")
-    activation_checkpointing: bool | Literal["selective"] = fld(
+    activation_checkpointing: bool | Literal["selective", "selective_alternate"] = fld(
         False, "recompute each layer in backward (alias gradient_checkpointing); selective: keep "
-               "the matmul and attention results, recompute the rest (docs/memory.md)")
+               "the matmul and attention results, recompute the rest; selective_alternate: torchtitan's "
+               "op policy, every second matmul recomputed too (docs/memory.md)")
     reshard_after_forward: bool = fld(True, "FSDP: re-gather each layer's weights in backward "
                                             "(ZeRO-3); false: keep them gathered for backward "
                                             "(ZeRO-2, SHARD_GRAD_OP; more memory, fewer gathers)")

@@ -22,8 +22,10 @@ DEFAULT_BUCKET_MB = 25.0
 DEFAULT_IN_FLIGHT = 2
 CP_ATTENTION = ("ring", "allgather")
 #: what ``remat`` may be: False (keep every activation), True (recompute whole layers) or
-#: "selective" (keep matrix products' and attention's results, recompute the rest)
-REMAT_MODES = (False, True, "selective")
+#: "selective" (keep matrix products' and attention's results, recompute the rest) or
+#: "selective_alternate" (torchtitan's op policy: the same, but every second matrix product recomputed)
+SELECTIVE_REMAT = ("selective", "selective_alternate")
+REMAT_MODES = (False, True, *SELECTIVE_REMAT)
 # the fields an op reads from the ambient policy (functional_pp.configure sets them)
 AMBIENT = ("remat", "keep_gathered", "cp_attention", "regather_activations", "reduce_dtype", "check_rep")
 # the fields only a training step applies (fpp.train_step(...) / TrainStep(policy=...))
@@ -45,8 +47,9 @@ def check_remat(remat: object, allow_none: bool = False) -> None:
     if remat is None and allow_none:
         return
     if not any(remat is m or (isinstance(m, str) and remat == m) for m in REMAT_MODES):
-        raise ValueError(f"remat must be False, True or 'selective' (keep matmul and attention results, "
-                         f"recompute the rest), got {remat!r}")
+        raise ValueError(f"remat must be False, True, 'selective' (keep matmul and attention results, "
+                         f"recompute the rest) or 'selective_alternate' (torchtitan's op policy: keep attention "
+                         f"and every other matmul's result), got {remat!r}")
 
 
 def check_keys(keys: Iterable[str], valid: Iterable[str], where: str) -> None:
@@ -65,7 +68,8 @@ class Policy:
 
     remat: bool | str | None = None
     """Recompute each ``fpp.layer`` call in backward (activation checkpointing): True, or
-    ``"selective"`` to keep the results of matrix products and attention (docs/memory.md)."""
+    ``"selective"`` to keep the results of matrix products and attention, ``"selective_alternate"``
+    to keep attention's and every other matrix product's (torchtitan's op policy; docs/memory.md)."""
     keep_gathered: bool | None = None
     """Keep FSDP-gathered weights for backward instead of re-gathering them (ZeRO-2 vs ZeRO-3)."""
     cp_attention: str | None = None

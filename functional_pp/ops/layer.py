@@ -29,7 +29,7 @@ from torch.utils.checkpoint import checkpoint, noop_context_fn
 from functional_pp._torch import is_tracing
 from functional_pp.compile.layer_compile import CompiledLayer
 from functional_pp.compile.recompute import remat_region
-from functional_pp.compile.selective import selective_contexts
+from functional_pp.compile.selective import POLICIES, is_selective, selective_contexts
 from functional_pp.core.observers import checkpointed
 from functional_pp.parallel.fsdp.regather import recomputed_region
 from functional_pp.parallel.fsdp.units import as_unit
@@ -46,15 +46,20 @@ def _meta(x: Named) -> tuple:
 
 
 def remat(fn: Callable[..., Named], out_like: int | None = None, *,
-          selective: bool = False) -> Callable[..., Named]:
+          selective: bool | str = False) -> Callable[..., Named]:
     """Wrap ``fn(*args) -> Named`` so that backward recomputes it instead of keeping its
     activations. Named arguments (anywhere in pytrees) keep their layouts.
 
     ``out_like=i`` declares that the result is laid out like positional argument ``i`` (a
     residual block); it is checked. ``selective=True`` keeps the results of matrix products
-    and attention and recomputes only the other ops (:mod:`functional_pp.compile.selective`)."""
+    and attention and recomputes only the other ops (:mod:`functional_pp.compile.selective`);
+    ``selective="selective_alternate"`` recomputes every second matrix product too (torchtitan's)."""
     name = getattr(fn, "__qualname__", None) or type(fn).__name__
-    context_fn = functools.partial(selective_contexts, name) if selective else noop_context_fn
+    selective = "selective" if selective is True else selective
+    if selective is not False and selective not in POLICIES:
+        raise ValueError(f"remat(selective={selective!r}): use True (every matmul's result kept) or one of "
+                         f"{POLICIES} ('selective_alternate': every second matmul recomputed, torchtitan's op policy)")
+    context_fn = functools.partial(selective_contexts, name, selective) if selective else noop_context_fn
 
     @functools.wraps(fn)
     def wrapped(*args):
@@ -100,21 +105,22 @@ def layer(fn: Callable[..., Any]) -> Callable[..., Any]:
     products or attention; otherwise it runs as is. Under ``train_step(compile="per_layer")``
     one compilation of ``fn`` runs every layer (:mod:`functional_pp.compile.layer_compile`)."""
     unit = as_unit(fn)                  # FSDP: the layer's weights as one unit (parallel/fsdp/units.py)
-    recomputed, selective = remat(unit), remat(unit, selective=True)
+    recomputed = remat(unit)
+    selective = {name: remat(unit, selective=name) for name in POLICIES}
     compiled = CompiledLayer(fn)
 
     def run(*args):
         mode = current_policy().remat
         body = compiled.active()        # per-layer compilation (compile/layer_compile.py), or None
         if body is not None:
-            if mode == "selective":
+            if is_selective(mode):
                 raise NotImplementedError(
-                    "remat='selective' with compile='per_layer': a compiled layer runs as one kernel "
+                    f"remat={mode!r} with compile='per_layer': a compiled layer runs as one kernel "
                     "sequence that eager selective checkpointing cannot split; use compile=True (the "
                     "whole step, docs/compile.md) or remat=True with per-layer compilation")
             return remat(body)(*args) if mode else body(*args)
-        if mode == "selective":
-            return selective(*args)
+        if is_selective(mode):
+            return selective[mode](*args)
         return recomputed(*args) if mode else unit(*args)
 
     @functools.wraps(fn)

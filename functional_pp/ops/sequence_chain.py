@@ -20,6 +20,7 @@ recomputed on its device in the chain's backward; each block's work is announced
 (``core/observers.serial_work``) so that the planner counts the other devices' turns."""
 from __future__ import annotations
 
+import functools
 from typing import Callable, Sequence
 
 import optree
@@ -29,7 +30,7 @@ from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from functional_pp._torch import is_tracing
 from functional_pp._torch.selective_checkpoint import outside_selective_checkpoint
-from functional_pp.compile.selective import selective_contexts
+from functional_pp.compile.selective import is_selective, selective_contexts
 from functional_pp.core.observers import serial_work
 from functional_pp.core.runtime import use_rules
 from functional_pp.devices import mesh_view
@@ -152,7 +153,8 @@ def _run_block(spec: _Spec, k: int, blocks: list, shared: list, state: list, rem
         n_out[:] = [len(o)]
         return (*o, *new)
     out = checkpoint(flat, *blocks, *shared, *state, use_reentrant=False,
-                     context_fn=selective_contexts if remat == "selective" else noop_context_fn)
+                     context_fn=functools.partial(selective_contexts, None, remat) if is_selective(remat)
+                     else noop_context_fn)
     return list(out[:n_out[0]]), list(out[n_out[0]:])
 
 

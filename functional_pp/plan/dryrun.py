@@ -14,6 +14,7 @@ import torch
 from functional_pp import optim
 from functional_pp._torch import trace_backward
 from functional_pp.core.comm import CommEvent, CommReport, comm_report
+from functional_pp.compile.selective import is_selective
 from functional_pp.core.policy import check_remat
 from functional_pp.core.layout import Rules, local_shape
 from functional_pp.core.mesh import Mesh
@@ -241,8 +242,8 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
 
     ``batch`` gives each input's GLOBAL shape and dimension names, e.g.
     ``{"tokens": ((8, 4096), "batch seq"), "labels": ((8, 4096), "batch seq")}``.
-    ``precision``, ``grad_accum``, ``remat`` (False, True or ``"selective"``: the step runs its
-    selective checkpointing, the kept matmul and attention results counted as activations and
+    ``precision``, ``grad_accum``, ``remat`` (False, True, ``"selective"`` or ``"selective_alternate"``:
+    the step runs its selective checkpointing, the kept matmul and attention results counted as activations and
     the recomputed ops in backward) and ``optimizer`` (default AdamW) are the training step's; ``options`` the ops' (``keep_gathered``, ``cp_attention``).
     ``repeated`` names the list of identical layers in ``decls``: with L > 2 layers the
     model is run with 1 and 2 of them and the rest extrapolated (exact to the byte).
@@ -286,7 +287,7 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
             grad_accum, repeated, schedule, virtual_stages, pp_fsdp_gather)
     options = dict(options or {})
     remat = options.pop("remat", remat)
-    remat = remat if remat == "selective" else bool(remat)
+    remat = remat if is_selective(remat) else bool(remat)
     check_remat(remat)
     offload = (bool(options.pop("offload_params", False)), bool(options.pop("activation_offloading", False)))
     options.pop("reduce_dtype", None)          # the training step decides, as in a real run
@@ -323,7 +324,7 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
         return [_run_device(loss_fn, d, mesh, rules, b, options, optimizer, precision, g, remat,
                             repeated, device, timeline, trainable, compiled, fsdp2_streams, expandable_segments,
                             _learn_needed(loss_fn, d, mesh, rules, b, options, optimizer, precision, g, repeated,
-                                          device, trainable) if compiled and remat == "selective" else None)
+                                          device, trainable) if compiled and is_selective(remat) else None)
                 for g, b in steps for d in variants]
     device = 0 if rank is None else rank
     results = run_on(device)
@@ -529,7 +530,7 @@ def _run_device(loss_fn, decls, mesh, rules, batch, options, optimizer, precisio
             sizes = [t.untyped_storage().nbytes() for t in held if isinstance(t, torch.Tensor)]
             tracker = MemoryTracker(baseline, masters, rep, timeline, baseline_sizes=sizes, compiled=compiled,
                                     fsdp2_streams=fsdp2_streams, expandable_segments=expandable_segments,
-                                    needed=needed)
+                                    needed=needed, selective=remat if is_selective(remat) else "selective")
             loss.tracker = tracker
             with tracker, torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack), \
                     trace_backward(False), deferred_checks():
@@ -549,7 +550,7 @@ class Instrumented:
         tracker = self.tracker
         if tracker is None:
             return self.loss_fn(params, batch)
-        tracker.phase, tracker.layer = "forward", None
+        tracker.begin_forward()
         if self.repeated and isinstance(params, dict) and isinstance(params.get(self.repeated), list):
             params = {**params, self.repeated: _Layers(params[self.repeated], tracker)}
         out = self.loss_fn(params, batch)

@@ -29,7 +29,7 @@ class Candidate:
     options: tuple = ()          # ((name, value), ...): keep_gathered, cp_attention
     precision: str = "bf16"
     grad_accum: int = 1
-    remat: bool | str = False    # False, True or "selective"
+    remat: bool | str = False    # False, True, "selective" or "selective_alternate"
     schedule: str = "1f1b"       # pipeline schedule (pp > 1); grad_accum is its micro-batches
     virtual: int = 1             # model chunks per device (interleaved_1f1b)
 
@@ -50,7 +50,7 @@ class Space:
     sequence_parallel: Sequence[bool] = (True, False)
     regather_activations: Sequence[bool] = (False, True)   # with SP: Megatron's re-gather in backward
     cp_attention: Sequence[str] = ("ring", "allgather")
-    remat: Sequence[bool | str] = (False, True)   # add "selective" to rank selective checkpointing too
+    remat: Sequence[bool | str] = (False, True)   # add "selective", "selective_alternate" to rank them too
     keep_gathered: Sequence[bool] = (False, True)
     grad_accum: Sequence[int] = (1,)
     orders: str = "default"
@@ -197,7 +197,7 @@ def exhaustive(cands: Sequence[Candidate], evaluate: Evaluate) -> list[LayoutEst
 
 def leanest(cands: Sequence[Candidate]) -> Candidate:
     """The candidate of a group that holds the least memory: every memory lever pulled (whole-layer
-    recomputation, then selective; the most micro-steps, i.e. the smallest micro-batch; the widest
+    recomputation, then the selective policies (every second matmul recomputed, then none); the most micro-steps, i.e. the smallest micro-batch; the widest
     FSDP; sequence parallelism; Megatron's re-gather; weights re-gathered in backward)."""
     def key(c: Candidate):
         opts = dict(c.options)
@@ -251,7 +251,8 @@ def beam(width: int = 4) -> Callable[[Sequence[Candidate], Evaluate], list[Layou
 
 def _expand(group: Sequence[Candidate], evaluate: Evaluate, done: dict) -> list[LayoutEstimate]:
     """Every option of a group, except a memory lever's slower variants where a faster one
-    already fits: for the same other options, more recomputation (none, selective, whole layer)
+    already fits: for the same other options, more recomputation (none, selective, selective with
+    every second matmul recomputed, whole layer)
     and more micro-steps only add time, so a variant is skipped when one with no more of either
     fits. ``done``: candidates already evaluated (id -> estimate)."""
     bases: dict = {}
@@ -274,7 +275,8 @@ def _expand(group: Sequence[Candidate], evaluate: Evaluate, done: dict) -> list[
     return out
 
 
-_REMAT_SAVING_ORDER = {False: 0, "selective": 1, True: 2}    # recomputation: none, selective, whole layer
+# recomputation: none, selective (every matmul kept), selective with every second matmul recomputed, whole layer
+_REMAT_SAVING_ORDER = {False: 0, "selective": 1, "selective_alternate": 2, True: 3}
 
 
 def _without_levers(c: Candidate) -> tuple:
@@ -402,7 +404,7 @@ def _rows(batch: BatchSpec) -> int | None:
 
 
 def _remat_label(remat: bool | str) -> list[str]:
-    return {True: ["remat"], "selective": ["remat=selective"]}.get(remat, [])
+    return {True: ["remat"]}.get(remat, [f"remat={remat}"] if isinstance(remat, str) else [])
 
 
 def _name(c: Candidate) -> str:

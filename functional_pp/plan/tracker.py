@@ -14,7 +14,7 @@ import torch
 
 from functional_pp._torch import TorchDispatchMode, in_backward
 from functional_pp._torch.meta_cache import call_meta
-from functional_pp.compile.selective import SAVED_OPS
+from functional_pp.compile.selective import MATMULS, SAVED_OPS, keeps_matmul
 from functional_pp.core.comm import CommReport
 from functional_pp.core.observers import on_checkpointed, on_saved_for_backward, on_serial_work, on_uneven_work
 from functional_pp.core.runtime import per_thread
@@ -215,12 +215,16 @@ class MemoryTracker(TorchDispatchMode):
     saves: plan/partition.py), into ``compiled_peak_bytes`` and the ``compiled_*`` fields.
     ``fsdp2_streams``: replay the weight collectives' buffers as FSDP2 allocates them, on its
     all-gather and reduce-scatter streams (plan/fsdp2.py); ``expandable_segments``:
-    the allocator's setting of that name (plan/allocator.py)."""
+    the allocator's setting of that name (plan/allocator.py). ``needed`` (compiled selective
+    layers: what backward reads of each, by position) with ``selective``, the policy's name
+    (compile/selective.py): the results it keeps, the rest recomputed."""
 
     def __init__(self, baseline: dict[str, int], param_tensors, report: CommReport | None = None,
                  timeline: bool = True, baseline_sizes=None, compiled: bool = False, needed=None,
-                 fsdp2_streams: bool = False, expandable_segments: bool = False):
+                 fsdp2_streams: bool = False, expandable_segments: bool = False, selective: str = "selective"):
         super().__init__()
+        self.selective = selective           # the selective policy of the layers when ``needed`` is given
+        self._open_matmuls = 0               # matrix products in the open layer's forward so far
         self.fsdp2_streams = fsdp2_streams
         self.compiled = compiled
         self._needed = needed                # selective layers: layer -> positions read in backward without
@@ -464,7 +468,7 @@ class MemoryTracker(TorchDispatchMode):
             self.close_layer()
         if forward and self.layer is not None and self._open is None:
             self._open, self._values, self._held = self.layer, {}, {}
-            self._seen_sigs = {}
+            self._seen_sigs, self._open_matmuls = {}, 0
         if self.phase == "backward" and self.layer in self._pending:
             allocs, surcharge = self._pending.pop(self.layer)
             for alloc in allocs:
@@ -493,6 +497,20 @@ class MemoryTracker(TorchDispatchMode):
         n = self._seen_sigs[sig] = self._seen_sigs.get(sig, -1) + 1
         return (*sig, n)
 
+    def begin_forward(self) -> None:
+        """A forward pass of the loss begins (each micro-step's): no layer yet, and each layer's
+        matmuls counted afresh, as torchtitan's op policy counts them per run of a block."""
+        self.phase, self.layer = "forward", None
+        self._mm_in_layer = {}
+
+    def _policy_keeps(self, func) -> bool:
+        """Whether the selective policy keeps the result of this call of ``func`` in the open
+        layer's forward (the same count as the policy's, compile/selective.py)."""
+        if func in MATMULS:
+            self._open_matmuls += 1
+            return keeps_matmul(self.selective, self._open_matmuls)
+        return func in SAVED_OPS
+
     def _record(self, func, inputs, in_allocs, out) -> None:
         """One forward op of the open layer: its new outputs become values read from its inputs."""
         fusible = recomputable(func)
@@ -503,11 +521,11 @@ class MemoryTracker(TorchDispatchMode):
             if not fusible:
                 v.read_by_unfusible = True
         in_bytes = sum(a.untyped_storage().nbytes() for a in inputs)
+        forced = self._needed is not None and not self._policy_keeps(func)     # (asked once per call)
         for t in _tensors(out):
             alloc = self._live.get(id(t.untyped_storage()))
             if alloc is None or id(alloc) in self._values:       # a view or an in-place result: the same value
                 continue
-            forced = self._needed is not None and func not in SAVED_OPS
             self._values[id(alloc)] = Value(alloc.nbytes, fusible, tuple(read), free=alloc.param_derived,
                                             input_bytes=in_bytes, forced=forced,
                                             position=self._position(func.__name__, t))

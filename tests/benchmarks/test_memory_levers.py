@@ -11,9 +11,10 @@ import memory_levers  # noqa: E402
 
 def test_levers_keep_the_losses_and_offload_moves_the_state_to_the_host():
     out = memory_levers.run(memory_levers.parse_args(
-        ["--smoke", "--measure", "--steps", "2", "--levers", "none,selective,offload_params,activation_offloading"]))
+        ["--smoke", "--measure", "--steps", "2", "--levers", "none,selective,selective_alternate,offload_params,activation_offloading"]))
     rows = out["rows"]
     assert rows["none"]["losses"] == rows["selective"]["losses"] == rows["offload_params"]["losses"]
+    assert rows["selective_alternate"]["losses"] == rows["none"]["losses"]
     assert rows["offload_params"]["peak_bytes"] < rows["none"]["peak_bytes"] < rows["offload_params"]["host_bytes"] * 2
     assert rows["none"]["host_bytes"] == 0 < rows["activation_offloading"]["host_bytes"]
     assert "losses" not in rows["activation_offloading"]        # CUDA only: predicted, not run

@@ -8,7 +8,7 @@ import functools
 
 import pytest
 import torch
-from harness import make_batch
+from harness import local_batch, make_batch
 from memtrack import window_peaks
 
 import functional_pp as fpp
@@ -19,7 +19,7 @@ from functional_pp.parallel import sharding
 
 from test_compile_step import run_step
 
-MODES = (False, "selective", True)
+MODES = (False, "selective", "selective_alternate", True)
 CFG = llama.Config.tiny(layers=3)
 
 
@@ -50,11 +50,11 @@ def assert_equal_trees(a, b):
 def test_eager_selective_remat_is_exact_and_keeps_between_none_and_full():
     runs = {mode: eager_forward_backward(mode) for mode in MODES}
     loss, grads, _ = runs[False]
-    for mode in ("selective", True):
+    for mode in ("selective", "selective_alternate", True):
         assert torch.equal(runs[mode][0], loss), mode
         assert_equal_trees(runs[mode][1], grads)
     kept = {mode: runs[mode][2] for mode in MODES}
-    assert kept[False] > kept["selective"] > kept[True], kept
+    assert kept[False] > kept["selective"] > kept["selective_alternate"] > kept[True], kept
     # each layer keeps q, k, v, o, gate, up, down and attention's output: more than a third of
     # what no checkpointing keeps here, and several times full checkpointing's layer inputs
     assert kept["selective"] > 2 * kept[True], kept
@@ -90,9 +90,11 @@ def test_selective_remat_of_a_model_that_is_not_llama():
                 state, m = step(state, {"x": x})
             return m["loss"], state["params"]
         return fpp.launch(device, fpp.Mesh())[0]
-    (loss, params), (loss_s, params_s) = train(False), train("selective")
-    assert loss_s == loss
-    assert_equal_trees(params_s, params)
+    loss, params = train(False)
+    for mode in ("selective", "selective_alternate"):
+        loss_s, params_s = train(mode)
+        assert loss_s == loss, mode
+        assert_equal_trees(params_s, params)
 
 
 def test_remat_modes_are_checked():
@@ -101,6 +103,9 @@ def test_remat_modes_are_checked():
     with pytest.raises(ValueError, match="'selective'"):
         fpp.train_step(lambda p, b: p, fpp.optim.sgd(0.1), remat="op")
     assert fpp.Policy(remat="selective").remat == "selective"
+    assert fpp.Policy(remat="selective_alternate").remat == "selective_alternate"
+    with pytest.raises(ValueError, match="selective_alternate"):
+        fpp.remat(lambda x: x, selective="alternate")
 
 
 def test_selective_remat_with_per_layer_compilation_is_refused_by_name():
@@ -120,25 +125,60 @@ def test_compiled_selective_remat_is_exact_and_keeps_between_none_and_full():
     runs = {mode: run_step(cfg, fpp.Mesh(), fpp.Rules(), compile="aot_eager", remat=mode)[0] for mode in MODES}
     eager = run_step(cfg, fpp.Mesh(), fpp.Rules(), remat="selective")[0]
     losses, params = runs[False][0], runs[False][4]
-    for run in (runs["selective"], runs[True], eager):
+    for run in (runs["selective"], runs["selective_alternate"], runs[True], eager):
         assert run[0] == losses                                      # two steps' losses, bitwise
         assert_equal_trees(run[4], params)
     kept = {mode: saved_bytes(runs[mode][2][0]) for mode in MODES}
-    assert kept[False] > kept["selective"] > kept[True], kept
+    assert kept[False] > kept["selective"] > kept["selective_alternate"] > kept[True], kept
     recomputed = {mode: count_recomputed(runs[mode][2][0]) for mode in MODES}
-    assert recomputed[False] == 0 < recomputed["selective"] < recomputed[True], recomputed
+    assert recomputed[False] == 0 < recomputed["selective"] < recomputed["selective_alternate"] < recomputed[True], \
+        recomputed
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("compile", [False, "aot_eager"])
-def test_selective_remat_under_fsdp_and_tp_equals_one_device(compile):
+@pytest.mark.parametrize("mode", ["selective", "selective_alternate"])
+def test_selective_remat_under_fsdp_and_tp_equals_one_device(compile, mode):
     cfg = llama.Config.tiny(layers=1)
     ref = run_step(cfg, fpp.Mesh(), fpp.Rules(), dtype=torch.float64)[0]
     mesh, rules = fpp.Mesh(dp_shard=2, tp=2), llama.default_rules(sequence_parallel=True)
-    results = run_step(cfg, mesh, rules, dtype=torch.float64, compile=compile, remat="selective")
+    results = run_step(cfg, mesh, rules, dtype=torch.float64, compile=compile, remat=mode)
     if compile:
         assert all(count_recomputed(g) > 0 for r in results for g in r[2])
     for losses, _, _, _, params in results:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref[0]), rtol=1e-6, atol=0)
         for (path, a), (_, b) in zip(fpp.leaves_with_paths(params), fpp.leaves_with_paths(ref[4])):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9, msg=lambda m: f"{path}: {m}")
+
+
+def _llama_step(mesh, rules, remat):
+    """One SGD step of Llama in float64 on a device of ``mesh``: the loss and the gathered parameters."""
+    cfg = llama.Config.tiny(layers=2)
+    step = fpp.train_step(functools.partial(llama.loss, cfg=cfg), fpp.optim.sgd(0.1), mesh=mesh, rules=rules,
+                          remat=remat)
+    batch = make_batch(cfg, batch=4, seq=16, seed=0)
+
+    def device():
+        state = step.init(fpp.init(llama.init, cfg, torch.float64, mesh=mesh, rules=rules, seed=0))
+        with fpp.use_rules(rules):
+            local = {k: v.data for k, v in local_batch(batch, mesh, rules).items()}
+        state, m = step(state, local)
+        with fpp.use_rules(rules):
+            full = fpp.gather_tree(state["params"], llama.init(cfg, torch.float64), rules)
+        return float(m["loss"]), {path: p.detach().numpy() for path, p in fpp.leaves_with_paths(full)}
+    return device
+
+
+@pytest.mark.slow
+def test_alternate_matmuls_on_gloo_processes_under_fsdp_and_tp_equals_one_device():
+    """torchtitan's policy (``remat="selective_alternate"``) on real processes, each counting its
+    own matrix products: the step is the one-device step without checkpointing."""
+    one = fpp.launch(_llama_step(fpp.Mesh(), fpp.Rules(), False), fpp.Mesh())[0]
+    mesh = fpp.Mesh(dp_shard=2, tp=2)
+    results = fpp.launch(_llama_step(mesh, llama.default_rules(sequence_parallel=True), "selective_alternate"),
+                         mesh, processes=True, timeout=300)
+    for loss, params in results:
+        assert loss == pytest.approx(one[0], rel=1e-12)
+        for path, x in params.items():
+            torch.testing.assert_close(torch.from_numpy(x), torch.from_numpy(one[1][path]), rtol=1e-9, atol=1e-12,
+                                       msg=lambda m: f"{path}: {m}")

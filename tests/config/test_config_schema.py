@@ -291,11 +291,13 @@ def test_selective_activation_checkpointing_is_a_config_value():
     """``activation_checkpointing: selective`` (or Axolotl's key with that value) asks the step
     for ``remat="selective"``; a value that is neither a boolean nor ``selective`` is refused."""
     for key in ("activation_checkpointing", "gradient_checkpointing"):
-        cfg = TrainConfig.from_dict({key: "selective"})
-        assert cfg.activation_checkpointing == "selective" and cfg.policy().remat == "selective"
-    fsdp_too = TrainConfig.from_dict({"activation_checkpointing": "selective", "dp_shard_size": 2,
-                                      "fsdp_config": {"activation_checkpointing": True}})
-    assert fsdp_too.policy().remat == "selective"     # the finer setting wins over FSDP's true
+        for mode in ("selective", "selective_alternate"):
+            cfg = TrainConfig.from_dict({key: mode})
+            assert cfg.activation_checkpointing == mode and cfg.policy().remat == mode
+    for mode in ("selective", "selective_alternate"):
+        fsdp_too = TrainConfig.from_dict({"activation_checkpointing": mode, "dp_shard_size": 2,
+                                          "fsdp_config": {"activation_checkpointing": True}})
+        assert fsdp_too.policy().remat == mode        # the finer setting wins over FSDP's true
     assert TrainConfig.from_dict({"gradient_checkpointing": True}).policy().remat is True
     with pytest.raises(ConfigError, match="activation_checkpointing"):
         TrainConfig.from_dict({"activation_checkpointing": "op"})

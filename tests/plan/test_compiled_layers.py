@@ -40,6 +40,25 @@ def _policy(ctx, func, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if func in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def _torchtitan_op_policy():
+    """torchtitan's op policy as it writes it (``_custom_policy``): keep what ``_policy`` keeps, except
+    every second ``aten.mm`` of the region, counted per run (forward and recomputation)."""
+    meta: dict = {}
+
+    def custom(ctx, func, *args, **kwargs):
+        key = "recompute" if ctx.is_recompute else "forward"
+        if func == torch.ops.aten.mm.default:
+            meta[key] = meta.get(key, 0) + 1
+        second_mm = func == torch.ops.aten.mm.default and meta[key] % 2 == 0
+        return CheckpointPolicy.MUST_SAVE if func in SAVED_OPS and not second_mm else CheckpointPolicy.PREFER_RECOMPUTE
+    return custom
+
+
+def _torchtitan_contexts():
+    """torchtitan's ``selective_checkpointing_context_fn``: a fresh count for each region."""
+    return create_selective_checkpoint_contexts(_torchtitan_op_policy())
+
+
 def measured(cfg, shape, dtype, mode) -> tuple[int, int]:
     """Bytes torch.compile's layer keeps for backward (parameters and the generator state aside)
     and the eager layer's (autograd's saved tensors), on real CPU tensors."""
@@ -50,6 +69,9 @@ def measured(cfg, shape, dtype, mode) -> tuple[int, int]:
     elif mode == "selective":
         body = lambda *a: checkpoint(LAYER, *a, use_reentrant=False,                   # noqa: E731
                                      context_fn=functools.partial(create_selective_checkpoint_contexts, _policy))
+    elif mode == "selective_alternate":
+        body = lambda *a: checkpoint(LAYER, *a, use_reentrant=False,                   # noqa: E731
+                                     context_fn=_torchtitan_contexts)
     else:
         body = lambda *a: checkpoint(LAYER, *a, use_reentrant=False)                    # noqa: E731
     params = {t.data.untyped_storage().data_ptr() for _, t in leaves_with_paths(tree)}
@@ -70,7 +92,7 @@ def measured(cfg, shape, dtype, mode) -> tuple[int, int]:
 def planned(cfg, shape, dtype, mode, needed=None):
     """The dry-run's bytes a compiled layer keeps: the layer run on meta tensors under the tracker
     (selectively checkpointed: after a run without, which tells what backward reads)."""
-    if mode == "selective" and needed is None:
+    if mode in ("selective", "selective_alternate") and needed is None:
         needed = _tracked(cfg, shape, dtype, None).needed_positions
     return _tracked(cfg, shape, dtype, mode, needed).compiled_layer_saved[0]
 
@@ -78,9 +100,10 @@ def planned(cfg, shape, dtype, mode, needed=None):
 def _tracked(cfg, shape, dtype, mode, needed=None):
     batch, seq = shape[4:]
     tree, x, pos = _inputs(cfg, batch, seq, dtype, "meta")
-    tracker = MemoryTracker({}, [t.data for _, t in leaves_with_paths(tree)], compiled=True, needed=needed)
+    tracker = MemoryTracker({}, [t.data for _, t in leaves_with_paths(tree)], compiled=True, needed=needed,
+                            selective=mode if isinstance(mode, str) else "selective")
     tracker.layer = 0
-    body = LAYER if mode is None else remat(LAYER, selective=mode == "selective")
+    body = LAYER if mode is None else remat(LAYER, selective=mode if isinstance(mode, str) else False)
     with tracker, torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
         body(tree, x, pos, cfg)
     return tracker.run
@@ -88,7 +111,8 @@ def _tracked(cfg, shape, dtype, mode, needed=None):
 
 CASES = [(SHAPES[0], torch.float32, None), (SHAPES[0], torch.bfloat16, None), (SHAPES[1], torch.float32, None),
          (SHAPES[1], torch.bfloat16, None), (SHAPES[0], torch.float32, True), (SHAPES[1], torch.bfloat16, True),
-         (SHAPES[0], torch.bfloat16, "selective"), (SHAPES[1], torch.float32, "selective")]
+         (SHAPES[0], torch.bfloat16, "selective"), (SHAPES[1], torch.float32, "selective"),
+         (SHAPES[0], torch.bfloat16, "selective_alternate"), (SHAPES[1], torch.float32, "selective_alternate")]
 
 
 @pytest.mark.parametrize("shape,dtype,mode", CASES, ids=lambda v: str(v).replace("torch.", ""))

@@ -71,14 +71,14 @@ def _write(tmp_path, name: str, **keys) -> str:
 def test_config_fixes_checkpointing_and_micro_batch_and_the_plan_honours_them(tmp_path):
     free = TrainConfig.from_yaml(_write(tmp_path, "free.yaml"))
     fixed = TrainConfig.from_yaml(_write(tmp_path, "fixed.yaml", gradient_checkpointing=True, micro_batch_size=2))
-    assert set(config_space(free).remat) == {False, True, "selective"} and config_space(free).micro_batch_sizes == "all"
+    assert set(config_space(free).remat) == {False, True, "selective", "selective_alternate"} and config_space(free).micro_batch_sizes == "all"
     assert config_space(fixed).remat == (True,) and config_space(fixed).micro_batch_sizes == (2,)
     space = dict(max_axis={"tp": 1, "cp": 1}, fsdp=(("dp_shard",),), keep_gathered=(False,))
     ranked = {name: rank_layouts(c, 2, "h100x8", space=plan.Space(**{**vars(config_space(c)), **space}))
               for name, c in (("free", free), ("fixed", fixed))}
     assert all(e.settings["remat"] is True for e in ranked["fixed"])
     assert {e.settings["grad_accum"] for e in ranked["fixed"]} == {2}          # 4 sequences per rank / 2
-    assert {e.settings["remat"] for e in ranked["free"]} == {False, True, "selective"}
+    assert {e.settings["remat"] for e in ranked["free"]} == {False, True, "selective", "selective_alternate"}
     assert {e.settings["grad_accum"] for e in ranked["free"]} == {1, 2, 4}
     free = {e.describe(): e for e in ranked["free"]}
     for e in ranked["fixed"]:       # the fixed estimates are the free ones with remat, which saves activations

@@ -79,7 +79,7 @@ def test_micro_steps_and_mixed_layers_together():
     _same(fast, full)
 
 
-@pytest.mark.parametrize("remat", [False, "selective", True])
+@pytest.mark.parametrize("remat", [False, "selective", "selective_alternate", True])
 def test_a_full_layer_every_third_and_the_last_sliding(remat):
     """The peak in backward (256-token rows): with selective recomputation it falls in the last
     layer's backward, a sliding one, which the runs' last-layer terms account for; recomputing

@@ -35,7 +35,7 @@ def test_compiled_selective_remat_under_cp_equals_one_device():
     assert_equals_one_device(LLAMA, *CP, compile="aot_eager", remat="selective")
 
 
-@pytest.mark.parametrize("remat", ["selective", True])
+@pytest.mark.parametrize("remat", ["selective", "selective_alternate", True])
 def test_remat_of_a_recurrent_hybrid_under_cp_equals_one_device(remat):
     assert_equals_one_device(QWEN3_5, *CP, remat=remat)
 
