@@ -166,7 +166,7 @@ def _saved_per_step(cfg, mesh, rules, batch_shape) -> int:
     from functional_pp.plan.dryrun import Instrumented
     decls = llama.init(cfg, torch.float32)
     loss = Instrumented(functools.partial(llama.loss, cfg=cfg), "layers")     # tells which layer runs
-    loss.tracker = types.SimpleNamespace(layer=None, phase=None)
+    loss.tracker = types.SimpleNamespace(layer=None, phase=None, begin_forward=lambda: None)
     step = fpp.train_step(loss, optim.adamw(1e-4), mesh=mesh, rules=rules, compile="per_layer")
     with fpp.use_rules(rules):
         state = step.init(init(lambda: decls, mesh=mesh, rules=rules, seed=0))
