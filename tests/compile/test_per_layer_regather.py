@@ -41,7 +41,7 @@ def _kept(keep_gathered: bool, shape=(4, 24)) -> int:
     torch._dynamo.reset()                   # (keep_gathered changes the layer's trace)
     decls = llama.init(CFG, torch.float32)
     loss = Instrumented(functools.partial(llama.loss, cfg=CFG), "layers")     # tells which layer runs
-    loss.tracker = types.SimpleNamespace(layer=None, phase=None)
+    loss.tracker = types.SimpleNamespace(layer=None, phase=None, begin_forward=lambda: None)
     step = fpp.train_step(loss, optim.adamw(1e-4), mesh=MESH, rules=RULES, compile="per_layer:aot_eager")
     with fpp.use_rules(RULES):
         state = step.init(init(lambda: decls, mesh=MESH, rules=RULES, seed=0))
