@@ -386,6 +386,15 @@ def _offloaded(est: LayoutEstimate, levers: tuple[bool, bool], shard_copies: int
                             "saved activations (activation_offloading)"), levers) if on))
 
 
+def _stage_copies(decls: dict, repeated: str, n_layers: int, per_device: int) -> dict:
+    """Whole copies of the model in the tree (a preference run's frozen reference under
+    ``reference``, with its own ``repeated`` list of as many layers), each cut to the stage's
+    layers as ``pipeline_step`` splits them (its ``layers`` paths: app/loop.py ``_build_step``)."""
+    return {k: {**v, repeated: v[repeated][:per_device]} for k, v in decls.items()
+            if k != repeated and isinstance(v, dict) and isinstance(v.get(repeated), list)
+            and len(v[repeated]) == n_layers}
+
+
 def _estimate_pipeline(loss_fn, decls, mesh: Mesh, rules: Rules, batch: BatchSpec, kw: dict, micro: int,
                        repeated: str | None, schedule: str, virtual: int, fsdp_gather: str) -> LayoutEstimate:
     """A pipeline layout: the dry-run of one device's L / pp layers on one micro-batch on the
@@ -406,7 +415,7 @@ def _estimate_pipeline(loss_fn, decls, mesh: Mesh, rules: Rules, batch: BatchSpe
     micro_batch = {k: ((shape[0] // micro, *shape[1:]), dims) for k, (shape, dims) in batch.items()}
     p = mesh.shape[PP]
     per_device = n_layers // p
-    stage = {**decls, repeated: layers_list[:per_device]}
+    stage = {**decls, repeated: layers_list[:per_device], **_stage_copies(decls, repeated, n_layers, per_device)}
     est = estimate(loss_fn, stage, inner, inner_rules, micro_batch, grad_accum=1, repeated=repeated, **kw)
     x_shape, x_dtype = _boundary(loss_fn, stage, inner, inner_rules, micro_batch, kw["precision"])
     boundary_bytes = int(torch.Size(x_shape).numel()) * x_dtype.itemsize

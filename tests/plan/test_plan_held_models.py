@@ -19,7 +19,7 @@ from functional_pp.plan.measure import measure
 
 transformers = pytest.importorskip("transformers")
 
-HF = dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=2,
+HF = dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=2,
           num_key_value_heads=1, head_dim=128, max_position_embeddings=128, tie_word_embeddings=False)
 DPO = dict(rl="dpo", sequence_len=16, micro_batch_size=1, gradient_accumulation_steps=1, bf16=True,
            optimizer="adamw_torch_fused", datasets=[{"path": "unused.jsonl", "type": "chatml.intel"}])
@@ -120,3 +120,15 @@ def test_ebft_estimate_holds_the_feature_copy(base_dir):
     assert line.startswith(f"feature model: {human_bytes(_local_bytes(decls[REFERENCE], est.mesh, est.rules))} "
                            f"per device (frozen, bfloat16, sharded like the policy")
     assert estimate(**LORA)[2] == "feature model: none held: the base with the adapters left out"
+
+
+def test_pipeline_stage_holds_its_share_of_the_reference(base_dir):
+    """Under pp the reference's layers are split over the stages as the policy's are (app/loop.py
+    ``_build_step``'s copies): a stage of 2 of 4 layers holds 2 of the copy's."""
+    space = Space(max_axis={"tp": 1, "cp": 1, "dp_shard": 1, "dp_replicate": 1}, precision="bf16", pp=(2,),
+                  remat=(False,), keep_gathered=(False,), schedules=("1f1b",))
+    weights = {rl: rank_layouts(_cfg(base_dir, rl=rl, gradient_accumulation_steps=2), 2, "h100x8", space=space)[0]
+               .memory["weights"] for rl in ("orpo", "dpo")}
+    reference = _model(_cfg(base_dir))[1][REFERENCE]
+    stage = {**reference, "layers": reference["layers"][:2]}       # (the ends on each stage, as the policy's)
+    assert weights["dpo"] - weights["orpo"] == sum(torch.Size(d.shape).numel() * 2 for _, d in leaves_with_paths(stage))
