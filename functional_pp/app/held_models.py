@@ -14,7 +14,7 @@ from typing import Any
 
 from functional_pp.config import TrainConfig, model_family
 
-__all__ = ["HeldModel", "held_model"]
+__all__ = ["HeldModel", "held_model", "pair_objective", "step_batch"]
 
 
 @dataclass(frozen=True)
@@ -56,3 +56,24 @@ def held_model(cfg: TrainConfig, model_cfg: Any) -> HeldModel | None:
     if lora is not None:
         return HeldModel(name, why="none held: the base with the adapters left out")
     return HeldModel(name, why="none held: precompute_ref_log_probs computed it once before the first step")
+
+
+def pair_objective(cfg: TrainConfig) -> bool:
+    """Whether ``cfg``'s step is a pair objective's (DPO, IPO, ORPO, SimPO without precomputed
+    reference log-probabilities): the planner then runs the objective itself on a batch of pairs
+    (:func:`step_batch`), the policy on the chosen and on the rejected rows and the reference
+    beside it, as the step does."""
+    from functional_pp.app.preference_run import preference_spec
+    from functional_pp.preference.objective import PreferenceSpec
+    if cfg.rl is None or str(cfg.rl).lower() in ("kto", "grpo", "gdpo", "ebft"):
+        return False
+    spec = preference_spec(cfg)
+    return isinstance(spec, PreferenceSpec) and not (cfg.precompute_ref_log_probs and spec.needs_reference)
+
+
+def step_batch(cfg: TrainConfig, global_batch: int, row: int) -> dict:
+    """The global batch spec a dry-run of ``cfg``'s step runs: ``global_batch`` pairs of chosen
+    and rejected rows (:func:`pair_objective`), else rows of ``tokens`` and ``labels``."""
+    keys = [*(f"{side}_{k}" for side in ("chosen", "rejected") for k in ("tokens", "labels")), "chosen_lm_labels"] \
+        if pair_objective(cfg) else ["tokens", "labels"]       # (data/pairs.py pair_rows; ORPO reads the last)
+    return {k: ((global_batch, row), "batch seq") for k in keys}

@@ -47,22 +47,26 @@ def _held_by_stage(path: str, device: int, p: int, v: int, decls: Any, ends) -> 
     return device == 0 if first and not last else device == p - 1 if last and not first else True
 
 
-def run_model(cfg: TrainConfig, model_cfg, dtype: Any = None, *, held: bool = True) -> tuple:
+def run_model(cfg: TrainConfig, model_cfg, dtype: Any = None, *, as_run: bool = True) -> tuple:
     """``(loss, declarations, trainable mask)`` the run trains (adapters and frozen parameters
     included: app/inputs.py ``frozen_and_adapters``), the weights declared in ``dtype``
     (default fp32; the planner passes the compute dtype, in which a frozen base is held).
-    ``held``: with the frozen model the run holds beside it (a DPO reference, EBFT's feature
-    model: app/held_models.py), declared frozen under the tree's ``reference`` key as the run
-    declares it, so that a dry-run holds it too."""
+    ``as_run``: with what the run's step holds beyond the model (app/held_models.py): a pair
+    objective's own loss (on :func:`~functional_pp.app.held_models.step_batch`'s pairs) and
+    its reference, another objective's frozen copy (KTO's, GRPO's reference, EBFT's feature
+    model) declared frozen under the tree's ``reference`` key as the run declares it, so that a
+    dry-run holds it too; False: the trained model alone (the start-up summary's counts)."""
     import functools
 
-    from functional_pp.app.held_models import held_model
+    from functional_pp.app.held_models import held_model, pair_objective
     from functional_pp.app.inputs import frozen_and_adapters
-    from functional_pp.app.preference_run import holding_reference
+    from functional_pp.app.preference_run import holding_reference, preference_objective, preference_spec
     family = model_family(cfg)
     decls = family.param_decls(model_cfg) if dtype is None else family.param_decls(model_cfg, dtype)
+    if as_run and pair_objective(cfg):
+        return preference_objective(cfg, preference_spec(cfg), family, model_cfg, cfg.lora_config(), decls)[:3]
     run = frozen_and_adapters(cfg, cfg.lora_config(), functools.partial(family.loss, cfg=model_cfg), decls)
-    copy = held_model(cfg, model_cfg) if held else None
+    copy = held_model(cfg, model_cfg) if as_run else None
     return run if copy is None or copy.decls is None else holding_reference(*run, copy.decls)
 
 
@@ -118,7 +122,7 @@ def describe(cfg: TrainConfig, world: World, mesh, rules, model_cfg, corpus=None
     """The start-of-run summary: device, mesh, rules, parameter count, per-device parameter
     memory, batch, data and output."""
     family = model_family(cfg)
-    _, decls, trainable = run_model(cfg, model_cfg, held=False)
+    _, decls, trainable = run_model(cfg, model_cfg, as_run=False)
     ends = family.pipeline_ends(model_cfg) if family.pipeline_ends is not None else ((), ())
     total, local = param_memory(decls, mesh, rules, ends, cfg.pp_virtual_stages)
     where = "each device" if "pp" not in mesh.shape else "each device of the fullest pipeline stage"
@@ -236,10 +240,11 @@ def planned_estimate(cfg: TrainConfig, mesh, rules, model_cfg):
     ``rules``: the config's optimizer, precision, accumulation, remat, ``reshard_after_forward``
     and pipeline schedule (``functional-pp validate --memory``; ``plan`` estimates its layouts
     with the same arguments, so both give the same peak)."""
+    from functional_pp.app.held_models import step_batch
     from functional_pp.app.optimizer import optimizer_from_config
     from functional_pp.plan import estimate
     gb, row = cfg.global_batch(mesh, rules), row_tokens(cfg, mesh, rules)
-    batch = {k: ((gb, row), "batch seq") for k in ("tokens", "labels")}
+    batch = step_batch(cfg, gb, row)
     loss, decls, trainable = run_model(cfg, model_cfg, compute_dtype(cfg))
     options = {"keep_gathered": True} if not cfg.reshard_after_forward else {}
     options.update(cfg.offload_options())

@@ -26,7 +26,7 @@ from functional_pp.parallel.shard_map import use_rules
 from functional_pp.plan.device import representative_device
 from functional_pp.plan.pipeline import PP, pipeline_plan, split_pipeline
 from functional_pp.plan.tracker import DeviceRun, MemoryTracker
-from functional_pp.step.train import PER_WEIGHT, PRECISIONS, train_step
+from functional_pp.step.train import DEFAULT_BATCH_DIMS, PER_WEIGHT, PRECISIONS, train_step
 
 BatchSpec = dict[str, tuple[Sequence[int], str]]
 
@@ -518,13 +518,19 @@ def _learn_needed(loss_fn, decls, mesh, rules, batch, options, optimizer, precis
     return run.needed_positions
 
 
+def batch_dims_of(batch: BatchSpec) -> dict:
+    """``train_step``'s ``batch_dims`` of a batch spec: its keys' dimension names (over the
+    step's defaults), so a batch of other keys (a DPO step's pairs) is laid out as given."""
+    return {**DEFAULT_BATCH_DIMS, **{k: dims for k, (_, dims) in batch.items()}}
+
+
 def _run_device(loss_fn, decls, mesh, rules, batch, options, optimizer, precision, grad_accum, remat,
                 repeated, rank, timeline, trainable=None, compiled=False, fsdp2_streams=False,
                 expandable_segments=False, needed=None):
     loss = Instrumented(loss_fn, repeated)
     step = train_step(loss, optimizer or optim.adamw(1e-4), mesh=mesh, rules=rules, precision=precision,
                       grad_accum=grad_accum, remat=remat, trainable=trainable, **options,
-                      **PER_WEIGHT)   # policy: docs/policy.md
+                      batch_dims=batch_dims_of(batch), **PER_WEIGHT)   # policy: docs/policy.md
     with representative_device(mesh, rank), use_rules(rules), step.apply_policy():
         params = map_with_path(lambda p, d: _meta_param(d, rules, mesh, p), decls)
         named_batch = _meta_batch(batch, rules, mesh)

@@ -20,9 +20,9 @@ from functional_pp.devices.launch import launch
 from functional_pp.parallel.init import init
 from functional_pp.parallel.named import configure
 from functional_pp.parallel.shard_map import use_rules
-from functional_pp.plan.dryrun import BatchSpec, Instrumented
+from functional_pp.plan.dryrun import BatchSpec, Instrumented, batch_dims_of
 from functional_pp.plan.tracker import DeviceRun, MemoryTracker
-from functional_pp.step.train import DEFAULT_BATCH_DIMS, PER_WEIGHT, train_step
+from functional_pp.step.train import PER_WEIGHT, train_step
 
 
 def measure(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules: Rules, batch: BatchSpec, *,
@@ -35,7 +35,7 @@ def measure(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules: 
     step's mask (frozen parameters); ``params()``: this device's named parameters (called on
     each simulated device; default: ``decls`` initialised from ``seed``), e.g. a quantized base."""
     options = dict(options or {})
-    batch_dims = {**DEFAULT_BATCH_DIMS, **{k: dims for k, (_, dims) in batch.items()}}   # (a DPO step's pairs too)
+    batch_dims = batch_dims_of(batch)                  # (a DPO step's pairs too)
 
     def device():
         loss = Instrumented(loss_fn, repeated)
