@@ -134,3 +134,15 @@ def test_pipeline_stage_holds_its_share_of_the_reference(base_dir):
     reference = _model(_cfg(base_dir))[1][REFERENCE]
     stage = {**reference, "layers": reference["layers"][:2]}       # (the ends on each stage, as the policy's)
     assert weights["dpo"] - weights["orpo"] == sum(torch.Size(d.shape).numel() * 2 for _, d in leaves_with_paths(stage))
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_grpo_holds_a_reference_with_a_kl_term_only(base_dir, beta):
+    """GRPO's reference is held (and counted) with a KL term (``trl.beta`` not 0) only."""
+    cfg = _cfg(base_dir, rl="grpo", trl={"reward_funcs": ["toy_rewards.letters"], "num_generations": 2,
+                                         "max_completion_length": 4, "beta": beta},
+               datasets=[{"path": "unused.jsonl"}], dp_shard_size=2)
+    mesh = cfg.mesh(2)
+    lines = planned_memory(cfg, mesh, cfg.build_rules(mesh), model_config(cfg)).splitlines()
+    held = [x for x in lines if x.startswith("reference model:")]
+    assert (REFERENCE in _model(cfg)[1]) == bool(held) == (beta > 0)
