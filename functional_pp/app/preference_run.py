@@ -16,7 +16,8 @@ from functional_pp.config import ConfigError, TrainConfig
 from functional_pp.core.tree import leaves_with_paths, tree_flatten, tree_map, tree_unflatten
 from functional_pp.preference.objective import PreferenceSpec, preference_loss
 
-__all__ = ["REFERENCE", "preference_spec", "preference_objective", "policy_and_reference", "with_reference",
+__all__ = ["REFERENCE", "preference_spec", "preference_objective", "policy_and_reference", "holding_reference",
+           "with_reference",
            "sync_reference",
            "load_pairs", "pair_steps"]
 
@@ -115,16 +116,21 @@ def policy_and_reference(cfg: TrainConfig, needs_reference: bool, family: Any, m
             return ref_fn(adapters.split(params)[0], tokens, **layout)
     elif needs_reference:
         frozen_decls = frozen_and_adapters(cfg, None, forward, base_decls)[1]
-        decls = {**decls, REFERENCE: _frozen(frozen_decls, cfg)}
-        trainable = _reference_frozen(trainable)
-        inner = policy
-
-        def policy(params, tokens, **layout):
-            return inner({k: v for k, v in params.items() if k != REFERENCE}, tokens, **layout)
+        policy, decls, trainable = holding_reference(policy, decls, trainable, _frozen(frozen_decls, cfg))
 
         def reference(params, tokens, **layout):
             return ref_fn(params[REFERENCE], tokens, **layout)
     return policy, reference, decls, trainable
+
+
+def holding_reference(fn: Any, decls: Any, trainable: Any, reference_decls: Any) -> tuple:
+    """``(fn, declarations, trainable mask)`` with a frozen copy ``reference_decls`` held under
+    :data:`REFERENCE` beside ``decls``: ``fn(params, *args, **kw)`` called on the parameters
+    without it, the copy frozen in the mask (the policy's side of :func:`policy_and_reference`;
+    the planner's dry-run holds the copy the same way: app/report.py ``run_model``)."""
+    def without_reference(params, *args, **kw):
+        return fn({k: v for k, v in params.items() if k != REFERENCE}, *args, **kw)
+    return without_reference, {**decls, REFERENCE: reference_decls}, _reference_frozen(trainable)
 
 
 def _frozen(decls: Any, cfg: TrainConfig) -> Any:

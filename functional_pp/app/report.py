@@ -47,16 +47,27 @@ def _held_by_stage(path: str, device: int, p: int, v: int, decls: Any, ends) -> 
     return device == 0 if first and not last else device == p - 1 if last and not first else True
 
 
-def run_model(cfg: TrainConfig, model_cfg, dtype: Any = None) -> tuple:
+def run_model(cfg: TrainConfig, model_cfg, dtype: Any = None, *, as_run: bool = True) -> tuple:
     """``(loss, declarations, trainable mask)`` the run trains (adapters and frozen parameters
     included: app/inputs.py ``frozen_and_adapters``), the weights declared in ``dtype``
-    (default fp32; the planner passes the compute dtype, in which a frozen base is held)."""
+    (default fp32; the planner passes the compute dtype, in which a frozen base is held).
+    ``as_run``: with what the run's step holds beyond the model (app/held_models.py): a pair
+    objective's own loss (on :func:`~functional_pp.app.held_models.step_batch`'s pairs) and
+    its reference, another objective's frozen copy (KTO's, GRPO's reference, EBFT's feature
+    model) declared frozen under the tree's ``reference`` key as the run declares it, so that a
+    dry-run holds it too; False: the trained model alone (the start-up summary's counts)."""
     import functools
 
+    from functional_pp.app.held_models import held_model, pair_objective
     from functional_pp.app.inputs import frozen_and_adapters
+    from functional_pp.app.preference_run import holding_reference, preference_objective, preference_spec
     family = model_family(cfg)
     decls = family.param_decls(model_cfg) if dtype is None else family.param_decls(model_cfg, dtype)
-    return frozen_and_adapters(cfg, cfg.lora_config(), functools.partial(family.loss, cfg=model_cfg), decls)
+    if as_run and pair_objective(cfg):
+        return preference_objective(cfg, preference_spec(cfg), family, model_cfg, cfg.lora_config(), decls)[:3]
+    run = frozen_and_adapters(cfg, cfg.lora_config(), functools.partial(family.loss, cfg=model_cfg), decls)
+    copy = held_model(cfg, model_cfg) if as_run else None
+    return run if copy is None or copy.decls is None else holding_reference(*run, copy.decls)
 
 
 def compute_dtype(cfg: TrainConfig) -> Any:
@@ -111,7 +122,7 @@ def describe(cfg: TrainConfig, world: World, mesh, rules, model_cfg, corpus=None
     """The start-of-run summary: device, mesh, rules, parameter count, per-device parameter
     memory, batch, data and output."""
     family = model_family(cfg)
-    _, decls, trainable = run_model(cfg, model_cfg)
+    _, decls, trainable = run_model(cfg, model_cfg, as_run=False)
     ends = family.pipeline_ends(model_cfg) if family.pipeline_ends is not None else ((), ())
     total, local = param_memory(decls, mesh, rules, ends, cfg.pp_virtual_stages)
     where = "each device" if "pp" not in mesh.shape else "each device of the fullest pipeline stage"
@@ -230,10 +241,11 @@ def planned_estimate(cfg: TrainConfig, mesh, rules, model_cfg):
     ``rules``: the config's optimizer, precision, accumulation, remat, ``reshard_after_forward``
     and pipeline schedule (``functional-pp validate --memory``; ``plan`` estimates its layouts
     with the same arguments, so both give the same peak)."""
+    from functional_pp.app.held_models import step_batch
     from functional_pp.app.optimizer import optimizer_from_config
     from functional_pp.plan import estimate
     gb, row = cfg.global_batch(mesh, rules), row_tokens(cfg, mesh, rules)
-    batch = {k: ((gb, row), "batch seq") for k in ("tokens", "labels")}
+    batch = step_batch(cfg, gb, row)
     loss, decls, trainable = run_model(cfg, model_cfg, compute_dtype(cfg))
     options = {"keep_gathered": True} if not cfg.reshard_after_forward else {}
     options.update(cfg.offload_options())
@@ -249,12 +261,37 @@ def planned_memory(cfg: TrainConfig, mesh, rules, model_cfg) -> str:
     """The ``peak:`` line: the per-device peak of one training step of ``cfg`` and its split,
     from :func:`planned_estimate` (the real step on meta tensors; docs/planning.md)."""
     est = planned_estimate(cfg, mesh, rules, model_cfg)
+    held = held_line(cfg, mesh, rules, model_cfg)
     split = ", ".join(f"{k} {human_bytes(v)}" for k, v in sorted(est.memory.items(), key=lambda kv: -kv[1]) if v)
     line = f"peak:       {human_bytes(est.peak_bytes)} per device in a training step ({split}; plan.estimate)"
     line += (f"\nreserved:   {human_bytes(est.reserved_bytes)} per device by the CUDA caching allocator (the peak and "
              f"{human_bytes(est.reserved_overhead)} of rounded blocks and cached free blocks; plan/allocator.py)")
     return line + (f"\nhost:       {human_bytes(est.host_bytes)} of host memory per device ({est.notes[-1]})"
-                   if est.host_bytes else "")
+                   if est.host_bytes else "") + (f"\n{held}" if held else "")
+
+
+def held_line(cfg: TrainConfig, mesh, rules, model_cfg) -> str | None:
+    """The ``reference model:`` (``feature model:``) line of ``validate --memory``: the bytes of
+    the frozen copy each device holds (counted in the peak above), or why none is held; None
+    when the objective needs no such model (app/held_models.py)."""
+    from functional_pp.app.held_models import held_model
+    copy = held_model(cfg, model_cfg)
+    if copy is None:
+        return None
+    label = f"{copy.name}:".ljust(11) + " "
+    if copy.decls is None:
+        return f"{label}{copy.why}"
+    family = model_family(cfg)
+    ends = family.pipeline_ends(model_cfg) if family.pipeline_ends is not None else ((), ())
+    held, _ = _frozen_bytes(copy.decls, lambda tree: _all(tree, False), mesh, rules, ends, cfg.pp_virtual_stages)
+    dtypes = "/".join(sorted({str(d.dtype).removeprefix("torch.") for _, d in leaves_with_paths(copy.decls)}))
+    return (f"{label}{human_bytes(held)} per device (frozen, {dtypes}, sharded like the policy; weights only, "
+            f"in the peak above)")
+
+
+def _all(tree: Any, value: bool) -> Any:
+    from functional_pp.core.tree import tree_map
+    return tree_map(lambda _: value, tree)
 
 
 def mesh_label(mesh) -> str:

@@ -72,6 +72,7 @@ def rank_layouts(cfg, n_devices: int, cluster="h100x8", *, memory_gb: float | No
     costed with Float8 linear layers, ``plan.cost(..., float8=True)``). Each layout is estimated
     as ``validate --memory`` estimates the config (its optimizer, precision, trained parameters);
     progress goes to ``stream`` (default stderr), rewritten in place only on a terminal."""
+    from functional_pp.app.held_models import step_batch
     from functional_pp.app.optimizer import optimizer_from_config
     from functional_pp.app.report import as_compiled, compiled_layers
     _check_searchable(cfg)
@@ -79,7 +80,7 @@ def rank_layouts(cfg, n_devices: int, cluster="h100x8", *, memory_gb: float | No
     gb = global_batch_for(cfg, n_devices)
     space = space or config_space(cfg, orders=orders)
     row = row_tokens(cfg, multiple=_cp_multiple(n_devices, space.max_axis.get("cp", n_devices)))
-    batch = {"tokens": ((gb, row), "batch seq"), "labels": ((gb, row), "batch seq")}
+    batch = step_batch(cfg, gb, row)       # (a pair objective's chosen and rejected rows)
     strat = {"exhaustive": exhaustive, "beam": beam(4), "auto": None}[strategy]
     out = stream or sys.stderr
     live = out.isatty() if hasattr(out, "isatty") else False

@@ -27,7 +27,7 @@ from functional_pp.parallel.shard_map import use_rules
 from functional_pp.plan.device import representative_device
 from functional_pp.plan.pipeline import PP, pipeline_plan, split_pipeline
 from functional_pp.plan.tracker import DeviceRun, MemoryTracker
-from functional_pp.step.train import PER_WEIGHT, PRECISIONS, train_step
+from functional_pp.step.train import DEFAULT_BATCH_DIMS, PER_WEIGHT, PRECISIONS, train_step
 
 BatchSpec = dict[str, tuple[Sequence[int], str]]
 
@@ -387,6 +387,15 @@ def _offloaded(est: LayoutEstimate, levers: tuple[bool, bool], shard_copies: int
                             "saved activations (activation_offloading)"), levers) if on))
 
 
+def _stage_copies(decls: dict, repeated: str, n_layers: int, per_device: int) -> dict:
+    """Whole copies of the model in the tree (a preference run's frozen reference under
+    ``reference``, with its own ``repeated`` list of as many layers), each cut to the stage's
+    layers as ``pipeline_step`` splits them (its ``layers`` paths: app/loop.py ``_build_step``)."""
+    return {k: {**v, repeated: v[repeated][:per_device]} for k, v in decls.items()
+            if k != repeated and isinstance(v, dict) and isinstance(v.get(repeated), list)
+            and len(v[repeated]) == n_layers}
+
+
 def _estimate_pipeline(loss_fn, decls, mesh: Mesh, rules: Rules, batch: BatchSpec, kw: dict, micro: int,
                        repeated: str | None, schedule: str, virtual: int, fsdp_gather: str) -> LayoutEstimate:
     """A pipeline layout: the dry-run of one device's L / pp layers on one micro-batch on the
@@ -407,7 +416,7 @@ def _estimate_pipeline(loss_fn, decls, mesh: Mesh, rules: Rules, batch: BatchSpe
     micro_batch = {k: ((shape[0] // micro, *shape[1:]), dims) for k, (shape, dims) in batch.items()}
     p = mesh.shape[PP]
     per_device = n_layers // p
-    stage = {**decls, repeated: layers_list[:per_device]}
+    stage = {**decls, repeated: layers_list[:per_device], **_stage_copies(decls, repeated, n_layers, per_device)}
     est = estimate(loss_fn, stage, inner, inner_rules, micro_batch, grad_accum=1, repeated=repeated, **kw)
     x_shape, x_dtype = _boundary(loss_fn, stage, inner, inner_rules, micro_batch, kw["precision"])
     boundary_bytes = int(torch.Size(x_shape).numel()) * x_dtype.itemsize
@@ -510,13 +519,19 @@ def _learn_needed(loss_fn, decls, mesh, rules, batch, options, optimizer, precis
     return run.needed_positions
 
 
+def batch_dims_of(batch: BatchSpec) -> dict:
+    """``train_step``'s ``batch_dims`` of a batch spec: its keys' dimension names (over the
+    step's defaults), so a batch of other keys (a DPO step's pairs) is laid out as given."""
+    return {**DEFAULT_BATCH_DIMS, **{k: dims for k, (_, dims) in batch.items()}}
+
+
 def _run_device(loss_fn, decls, mesh, rules, batch, options, optimizer, precision, grad_accum, remat,
                 repeated, rank, timeline, trainable=None, compiled=False, fsdp2_streams=False,
                 expandable_segments=False, needed=None):
     loss = Instrumented(loss_fn, repeated)
     step = train_step(loss, optimizer or optim.adamw(1e-4), mesh=mesh, rules=rules, precision=precision,
                       grad_accum=grad_accum, remat=remat, trainable=trainable, **options,
-                      **PER_WEIGHT)   # policy: docs/policy.md
+                      batch_dims=batch_dims_of(batch), **PER_WEIGHT)   # policy: docs/policy.md
     with representative_device(mesh, rank), use_rules(rules), step.apply_policy():
         params = map_with_path(lambda p, d: _meta_param(d, rules, mesh, p), decls)
         named_batch = _meta_batch(batch, rules, mesh)

@@ -20,7 +20,7 @@ from functional_pp.devices.launch import launch
 from functional_pp.parallel.init import init
 from functional_pp.parallel.named import configure
 from functional_pp.parallel.shard_map import use_rules
-from functional_pp.plan.dryrun import BatchSpec, Instrumented
+from functional_pp.plan.dryrun import BatchSpec, Instrumented, batch_dims_of
 from functional_pp.plan.tracker import DeviceRun, MemoryTracker
 from functional_pp.step.train import PER_WEIGHT, train_step
 
@@ -35,11 +35,12 @@ def measure(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules: 
     step's mask (frozen parameters); ``params()``: this device's named parameters (called on
     each simulated device; default: ``decls`` initialised from ``seed``), e.g. a quantized base."""
     options = dict(options or {})
+    batch_dims = batch_dims_of(batch)                  # (a DPO step's pairs too)
 
     def device():
         loss = Instrumented(loss_fn, repeated)
         step = train_step(loss, optimizer or optim.adamw(1e-4), mesh=mesh, rules=rules, precision=precision,
-                          grad_accum=grad_accum, remat=remat, trainable=trainable, **PER_WEIGHT)
+                          grad_accum=grad_accum, remat=remat, trainable=trainable, batch_dims=batch_dims, **PER_WEIGHT)
         with use_rules(rules), configure(**options):
             state = step.init(params() if params is not None else init(lambda: decls, mesh=mesh, rules=rules, seed=seed))
             local = {}

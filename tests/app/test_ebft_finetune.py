@@ -142,7 +142,8 @@ def test_validate_memory_and_plan_count_the_block_parallel_rows(data, tmp_path, 
     from functional_pp.app.report import human_bytes, planned_estimate
     from functional_pp.cli import plan as plan_cli
     from functional_pp.config.models import model_config
-    raw = _raw(data, tmp_path / "out", dp_shard_size=2)
+    # (LoRA: no frozen feature copy, which the plain run would not hold: tests/plan/test_plan_held_models.py)
+    raw = _raw(data, tmp_path / "out", dp_shard_size=2, adapter="lora", lora_r=4, lora_alpha=8, lora_target_linear=True)
     path = tmp_path / "ebft.yaml"
     path.write_text(yaml.safe_dump(raw))
     assert cli.main(["validate", str(path), "--simulate", "2", "--memory"]) == 0
