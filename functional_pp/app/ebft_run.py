@@ -105,7 +105,6 @@ class EBFTSampler:
         loss sees them (``step_fn``'s rules, compute precision and policy), scored by the
         feature model."""
         from functional_pp.app.grpo_run import _sampling_rules
-        from functional_pp.app.row_tokens import seq_multiple
         from functional_pp.parallel.shard_map import use_rules
         from functional_pp.preference.ebft_rollout import ebft_batch, ebft_metrics, ebft_rollout
         docs = next(loader)
@@ -115,7 +114,7 @@ class EBFTSampler:
                              functools.partial(self._states, named_params, shard.dp_size), pad_id=self.pad_id,
                              key=self.key, step=step, row_multiple=shard.dp_size)
         whole = ebft_batch(r, self.spec, self.pad_id, row_multiple=shard.dp_size * self.accum,
-                           length_multiple=seq_multiple(shard.cp_size, shard.balanced))
+                           length_multiple=shard.seq_multiple)
         return {k: v.contiguous() for k, v in shard.cut(whole).items()}, ebft_metrics(r)
 
     def _states(self, named_params: Any, dp_size: int, rows: dict) -> list[torch.Tensor]:

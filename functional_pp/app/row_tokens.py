@@ -7,20 +7,13 @@ from __future__ import annotations
 
 from functional_pp.config import TrainConfig
 
-__all__ = ["seq_multiple", "row_tokens", "layout_seq_multiple"]
-
-
-def seq_multiple(cp_size: int, balanced: bool) -> int:
-    """What a row's length must divide by when its sequence is split over ``cp_size`` devices
-    (``balanced``: in ``2 x cp_size`` load-balanced chunks)."""
-    return cp_size * (2 if balanced else 1)
+__all__ = ["row_tokens", "layout_seq_multiple"]
 
 
 def layout_seq_multiple(mesh, rules) -> int:
-    """:func:`seq_multiple` of the batch's sequence split under ``mesh`` and ``rules``."""
+    """What a row's length must divide by under ``mesh`` and ``rules`` (``BatchShard.seq_multiple``)."""
     from functional_pp.data import batch_shard
-    shard = batch_shard(mesh, rules, 0)
-    return seq_multiple(shard.cp_size, shard.balanced)
+    return batch_shard(mesh, rules, 0).seq_multiple
 
 
 def row_tokens(cfg: TrainConfig, mesh=None, rules=None, *, multiple: int | None = None) -> int:

@@ -33,6 +33,12 @@ class BatchShard:
         return dict(dp_rank=self.dp_rank, dp_size=self.dp_size, cp_rank=self.cp_rank,
                     cp_size=self.cp_size, cp_balanced=self.balanced)
 
+    @property
+    def seq_multiple(self) -> int:
+        """What a row's length must divide by for this split of its sequence (``cp_size``, in
+        ``2 x cp_size`` chunks when load-balanced)."""
+        return self.cp_size * (2 if self.balanced else 1)
+
     def cut(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This device's block of a full batch of ``[B, S, ...]`` tensors."""
         return shard_batch(batch, self.dp_rank, self.dp_size, self.cp_rank, self.cp_size, self.balanced)
