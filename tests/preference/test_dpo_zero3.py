@@ -4,7 +4,8 @@ must not take them for tied (parallel/fsdp/param_uses.py), or every gathered wei
 held from forward to backward instead of re-gathered per layer. Measured by the bytes each step
 all-gathers in forward and re-gathers in backward (a weight held gathered is not re-gathered):
 every DPO step moves those of two SFT steps on the same rows per pass. A tied Llama's table is
-still tied within a pass (gathered once per pass, not re-gathered). Simulated dp_shard=2."""
+still tied within a pass (gathered once per pass, not re-gathered). dp_shard=2, simulated and on
+two gloo processes."""
 import functools
 import math
 
@@ -41,7 +42,7 @@ def _rows(cfg, seed: int) -> dict:
     return {"tokens": t[:, :-1].contiguous(), "labels": t[:, 1:].contiguous()}
 
 
-def _bytes_per_step(cfg, dpo: bool) -> list[dict]:
+def _bytes_per_step(cfg, dpo: bool, processes: bool = False) -> list[dict]:
     """On each device, per step: the bytes of forward all-gathers, backward all-gathers
     (re-gathers) and reduce-scatters."""
     forward = functools.partial(llama.forward, cfg=cfg)
@@ -69,7 +70,7 @@ def _bytes_per_step(cfg, dpo: bool) -> list[dict]:
                     sent[key] += e.bytes_sent
             out.append(sent)
         return out
-    return fpp.launch(device, MESH)
+    return fpp.launch(device, MESH, processes=processes, timeout=300)
 
 
 @pytest.mark.parametrize("tie", [False, True])
@@ -84,6 +85,14 @@ def test_a_dpo_step_keeps_zero3_from_its_second_step(tie):
             assert dpo[i] == dpo[1], i
             # two passes, each gathering, re-gathering and reduce-scattering what one SFT step does
             assert dpo[i] == {k: 2 * v for k, v in sft[i].items()}, (i, dpo[i], sft[i])
+
+
+@pytest.mark.multiprocess
+def test_a_dpo_step_keeps_zero3_on_gloo_processes():
+    cfg = llama.Config.tiny(vocab=64)
+    real = _bytes_per_step(cfg, dpo=True, processes=True)
+    assert real == _bytes_per_step(cfg, dpo=True)
+    assert all(step == real[0][0] and step["regather"] > 0 for device in real for step in device)
 
 
 def test_one_pass_is_the_shortest_repeated_prefix():
