@@ -21,8 +21,8 @@ MESH, RULES = fpp.Mesh(dp_shard=2), llama.default_rules(tp=False)
 B, S, STEPS = 4, 8, 3
 
 
-def _pairs(cfg, seed: int) -> dict:
-    """B chosen and B rejected rows, the reference's log-probabilities precomputed."""
+def _pairs(cfg, seed: int, precomputed: bool = True) -> dict:
+    """B chosen and B rejected rows, the reference's log-probabilities precomputed or not."""
     g = torch.Generator().manual_seed(seed)
     out = {}
     for side in ("chosen", "rejected"):
@@ -31,7 +31,8 @@ def _pairs(cfg, seed: int) -> dict:
         labels[:, -1] = -100
         labels[:, :2] = -100                          # the prompt
         out[f"{side}_tokens"], out[f"{side}_labels"] = tokens, labels
-        out[f"ref_{side}_logps"] = (-20.0 + torch.randn(B, 1, generator=g, dtype=torch.float64)).expand(B, S)
+        if precomputed:
+            out[f"ref_{side}_logps"] = (-20.0 + torch.randn(B, 1, generator=g, dtype=torch.float64)).expand(B, S)
     return out
 
 
@@ -42,12 +43,14 @@ def _rows(cfg, seed: int) -> dict:
     return {"tokens": t[:, :-1].contiguous(), "labels": t[:, 1:].contiguous()}
 
 
-def _bytes_per_step(cfg, dpo: bool, processes: bool = False) -> list[dict]:
+def _bytes_per_step(cfg, dpo: bool, processes: bool = False, self_reference: bool = False) -> list[dict]:
     """On each device, per step: the bytes of forward all-gathers, backward all-gathers
-    (re-gathers) and reduce-scatters."""
+    (re-gathers) and reduce-scatters. ``self_reference``: the reference is the policy's own
+    weights, run without gradient (two more forwards gathering the same shards)."""
     forward = functools.partial(llama.forward, cfg=cfg)
     if dpo:
-        loss, data = preference_loss(PreferenceSpec("dpo", beta=0.5), forward), [_pairs(cfg, i) for i in range(STEPS)]
+        loss = preference_loss(PreferenceSpec("dpo", beta=0.5), forward, forward if self_reference else None)
+        data = [_pairs(cfg, i, precomputed=not self_reference) for i in range(STEPS)]
     else:
         loss, data = functools.partial(llama.loss, cfg=cfg), [_rows(cfg, i) for i in range(STEPS)]
     step = fpp.train_step(loss, fpp.optim.adamw(1e-3), mesh=MESH, rules=RULES,
@@ -85,6 +88,16 @@ def test_a_dpo_step_keeps_zero3_from_its_second_step(tie):
             assert dpo[i] == dpo[1], i
             # two passes, each gathering, re-gathering and reduce-scattering what one SFT step does
             assert dpo[i] == {k: 2 * v for k, v in sft[i].items()}, (i, dpo[i], sft[i])
+
+
+def test_a_reference_forward_on_the_policy_weights_does_not_tie_them():
+    """Gathers without gradient (the reference's forwards on the same shards) are not counted:
+    the step's backward still re-gathers and reduce-scatters per pass, from its first step on."""
+    cfg = llama.Config.tiny(vocab=64)
+    for dpo, sft in zip(_bytes_per_step(cfg, dpo=True, self_reference=True), _bytes_per_step(cfg, dpo=False)):
+        for step in dpo:
+            assert step == dpo[0]
+            assert (step["regather"], step["scatter"]) == (2 * sft[0]["regather"], 2 * sft[0]["scatter"])
 
 
 @pytest.mark.multiprocess
