@@ -16,6 +16,7 @@ Three ways to gather, each with its eager form and its compiled (traced) form si
 * once per step under a pipeline (``gather_once.py``, ``fsdp_gather="step"``): a device's
   stages keep their units gathered across every micro-batch and reduce-scatter once.
 
-``param_uses.py`` counts the gathers of each parameter in a step's first forward, so that a
-parameter gathered at several sites is gathered once from the next forward on (tied).
+``param_uses.py`` counts the gathers of each parameter in one model pass of a step's first
+forward, so that a parameter gathered at several sites is gathered once from the next forward
+on (tied); a loss that runs the model twice (DPO) does not make every parameter tied.
 """
