@@ -27,9 +27,11 @@ INSTALL_TIMEOUT=${FPP_SMOKE_INSTALL_TIMEOUT:-1200}
 SKIPPED="$DIR.skipped"
 # the selection: the compiled step's differentiable leaves on both paths, the CUDA guard pinned
 # across device threads, the version check, and whole-step / per-layer compiled training on
-# simulated devices (two launches in one process) equal to eager
+# simulated devices (two launches in one process) equal to eager, and the compiled selective
+# checkpointing policies' graph pass (what they keep, bitwise the same step)
 TESTS=(tests/_torch/test_grad_leaves.py tests/_torch/test_cuda_guard.py tests/_torch/test_version.py
-       "tests/compile/test_compile_families.py::test_compiled_training_equals_eager")
+       "tests/compile/test_compile_families.py::test_compiled_training_equals_eager"
+       "tests/compile/test_selective_remat.py::test_compiled_selective_remat_is_exact_and_keeps_between_none_and_full")
 
 installed() {
   [ -x "$DIR/bin/python" ] && "$DIR/bin/python" - "$VERSION" <<'PYEOF' 2>/dev/null
