@@ -250,11 +250,23 @@ def planned_estimate(cfg: TrainConfig, mesh, rules, model_cfg):
     options = {"keep_gathered": True} if not cfg.reshard_after_forward else {}
     options.update(cfg.offload_options())
     with as_compiled(cfg):
-        return estimate(loss, decls, mesh, rules, batch, optimizer=optimizer_from_config(cfg)[0],
-                        precision=cfg.resolved_precision(), grad_accum=cfg.grad_accum(mesh, rules),
-                        remat=cfg.activation_checkpointing, options=options, timeline=False, trainable=trainable,
-                        schedule=cfg.pp_schedule, virtual_stages=cfg.pp_virtual_stages,
-                        pp_fsdp_gather=cfg.pp_fsdp_gather, compiled=compiled_layers(cfg))
+        est = estimate(loss, decls, mesh, rules, batch, optimizer=optimizer_from_config(cfg)[0],
+                       precision=cfg.resolved_precision(), grad_accum=cfg.grad_accum(mesh, rules),
+                       remat=cfg.activation_checkpointing, options=options, timeline=False, trainable=trainable,
+                       schedule=cfg.pp_schedule, virtual_stages=cfg.pp_virtual_stages,
+                       pp_fsdp_gather=cfg.pp_fsdp_gather, compiled=compiled_layers(cfg))
+    add_rollout(cfg, model_cfg, gb, est)
+    return est
+
+
+def add_rollout(cfg: TrainConfig, model_cfg, global_batch: int, est) -> None:
+    """Count an online run's rollout (GRPO, EBFT: app/rollout_memory.py) in ``est``, a step's
+    estimate under its mesh and rules: its peak becomes the larger of the rollout's and the
+    step's. Nothing for a run without a rollout."""
+    from functional_pp.app.rollout_memory import estimate_rollout, hold_rollout
+    gen = estimate_rollout(cfg, est.mesh, est.rules, model_cfg, global_batch, compute_dtype(cfg))
+    if gen is not None:
+        hold_rollout(est, gen)
 
 
 def planned_memory(cfg: TrainConfig, mesh, rules, model_cfg) -> str:
@@ -262,8 +274,11 @@ def planned_memory(cfg: TrainConfig, mesh, rules, model_cfg) -> str:
     from :func:`planned_estimate` (the real step on meta tensors; docs/planning.md)."""
     est = planned_estimate(cfg, mesh, rules, model_cfg)
     held = held_line(cfg, mesh, rules, model_cfg)
+    if est.rollout is not None:
+        from functional_pp.app.rollout_memory import rollout_line
+        held = "\n".join(x for x in (rollout_line(est.rollout, "key / value cache" in est.memory), held) if x)
     split = ", ".join(f"{k} {human_bytes(v)}" for k, v in sorted(est.memory.items(), key=lambda kv: -kv[1]) if v)
-    line = f"peak:       {human_bytes(est.peak_bytes)} per device in a training step ({split}; plan.estimate)"
+    line = f"peak:       {human_bytes(est.peak_bytes)} per device in a training step{' or its rollout' if est.rollout is not None else ''} ({split}; plan.estimate)"
     line += (f"\nreserved:   {human_bytes(est.reserved_bytes)} per device by the CUDA caching allocator (the peak and "
              f"{human_bytes(est.reserved_overhead)} of rounded blocks and cached free blocks; plan/allocator.py)")
     return line + (f"\nhost:       {human_bytes(est.host_bytes)} of host memory per device ({est.notes[-1]})"

@@ -63,6 +63,9 @@ class LayoutEstimate:
     # identical layers, f(1) + (L-1)(f(2) - f(1)); docs/planning.md, "Layers that differ")
     layer_runs: tuple[int, ...] | None = None
     layer_weights: tuple[Fraction, ...] | None = None
+    # an online run's rollout (a plan.generation.GenerationEstimate) held over the same state
+    # before each step: the peak is the larger (app/rollout_memory.py)
+    rollout: Any = None
 
     @property
     def comm_bytes(self) -> int:

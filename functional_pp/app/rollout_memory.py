@@ -1,0 +1,91 @@
+"""The memory of an online run's rollout (docs/memory.md "Rollouts"): before each step GRPO and
+EBFT sample with the training state alive, and the sampling holds a key / value cache of the
+sampled batch. Its size comes from the generation memory model (plan/generation.py, that of
+``generate --memory``) run on the run's own policy under the run's sampling rules; the rollout's
+peak is the state the step also holds (weights, optimizer state) plus that cache and one
+forward's temporaries, and a run's peak is the larger of the rollout's and the step's."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from functional_pp.config import TrainConfig, model_family
+
+__all__ = ["RolloutShape", "rollout_shape", "estimate_rollout", "hold_rollout", "rollout_line"]
+
+#: the step's categories a rollout holds too (gradients and activations are the step's own)
+HELD = ("weights", "optimizer state")
+
+
+@dataclass(frozen=True)
+class RolloutShape:
+    """The largest generate call of a step's rollout: ``rows`` sampled together, each a prompt of
+    at most ``prompt`` positions and ``new_tokens`` sampled after it."""
+    rows: int
+    prompt: int
+    new_tokens: int
+
+
+def rollout_shape(cfg: TrainConfig, global_batch: int) -> RolloutShape | None:
+    """GRPO: the step's completions (prompts x ``num_generations``, the global batch) of prompts
+    up to ``sequence_len - max_completion_length``; EBFT: the step's documents x
+    ``n_samples_per_prompt`` at the last anchor (each anchor is one generate call). None for a
+    run without a rollout."""
+    from functional_pp.app import ebft_run, grpo_run
+    if grpo_run.is_grpo(cfg):
+        new = grpo_run.grpo_settings(cfg).max_completion_length
+        return RolloutShape(global_batch, max(1, cfg.sequence_len - new), new)
+    if ebft_run.is_ebft(cfg):
+        from functional_pp.preference.ebft import strided_anchors
+        spec = ebft_run.ebft_settings(cfg)
+        anchors = strided_anchors(cfg.sequence_len, stride=spec.stride, context_length=spec.context_length,
+                                  generate_max_len=spec.generate_max_len)
+        return RolloutShape(global_batch * spec.n_samples_per_prompt, max(anchors, default=spec.context_length),
+                            spec.generate_max_len)
+    return None
+
+
+def estimate_rollout(cfg: TrainConfig, mesh: Any, rules: Any, model_cfg: Any, global_batch: int, dtype: Any):
+    """The generation estimate (:class:`~functional_pp.plan.generation.GenerationEstimate`) of
+    one device's largest rollout call under ``mesh`` and the run's sampling rules (the sequence
+    whole), the policy's weights in ``dtype``; None for a run without a rollout."""
+    from functional_pp.app import ebft_run, grpo_run
+    from functional_pp.plan.generation import estimate_generation
+    shape = rollout_shape(cfg, global_batch)
+    if shape is None:
+        return None
+    family = model_family(cfg)
+    base = family.param_decls(model_cfg, dtype)
+    if grpo_run.is_grpo(cfg):
+        _, decls, _, policy = grpo_run.grpo_objective_of(cfg, grpo_run.grpo_settings(cfg), family, model_cfg,
+                                                         cfg.lora_config(), base)
+    else:
+        _, decls, _, policy, _ = ebft_run.ebft_objective_of(cfg, ebft_run.ebft_settings(cfg), family, model_cfg,
+                                                            cfg.lora_config(), base)
+    return estimate_generation(policy, decls, mesh, grpo_run._sampling_rules(rules), batch=shape.rows,
+                               prompt=shape.prompt, new_tokens=shape.new_tokens)
+
+
+def hold_rollout(est: Any, gen: Any) -> None:
+    """Amend a step's :class:`~functional_pp.plan.dryrun.LayoutEstimate` with its rollout ``gen``:
+    the rollout's peak (the step's held state + the cache + one forward's temporaries) in
+    ``memory`` as ``rollout (peak)``, and the estimate's peak the larger of the two (its split the
+    rollout's when the rollout's is larger)."""
+    held = sum(est.memory.get(c, 0) for c in HELD)
+    rollout = held + gen.cache_bytes + gen.forward_bytes
+    est.notes.append(f"rollout: key / value cache {gen.cache_bytes} B + forward {gen.forward_bytes} B over the held "
+                     f"state ({gen.batch} rows x ({gen.prompt} + {gen.new_tokens}) positions)")
+    est.rollout = gen
+    if rollout > est.peak_bytes:
+        est.memory = {**{c: est.memory.get(c, 0) for c in HELD}, "key / value cache": gen.cache_bytes,
+                      "generation forward": gen.forward_bytes}
+        est.peak_bytes = rollout
+
+
+def rollout_line(gen: Any, sets_peak: bool) -> str:
+    """The ``rollout:`` line of ``validate --memory``."""
+    from functional_pp.app.report import human_bytes
+    return (f"rollout:    key / value cache {human_bytes(gen.cache_bytes)} per device ({gen.batch} rows x "
+            f"({gen.prompt} prompt + {gen.new_tokens} new) positions) + forward {human_bytes(gen.forward_bytes)}, "
+            f"held with the weights and optimizer state before each step ("
+            f"{'it sets the peak above' if sets_peak else 'the step peak above is higher'})")
