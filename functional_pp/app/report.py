@@ -52,18 +52,18 @@ def run_model(cfg: TrainConfig, model_cfg, dtype: Any = None, *, as_run: bool = 
     included: app/inputs.py ``frozen_and_adapters``), the weights declared in ``dtype``
     (default fp32; the planner passes the compute dtype, in which a frozen base is held).
     ``as_run``: with what the run's step holds beyond the model (app/held_models.py): a pair
-    objective's own loss (on :func:`~functional_pp.app.held_models.step_batch`'s pairs) and
-    its reference, another objective's frozen copy (KTO's, GRPO's reference, EBFT's feature
+    objective's or KTO's own loss (on :func:`~functional_pp.app.held_models.step_batch`'s pairs
+    or unpaired completions) and its reference, another objective's frozen copy (GRPO's reference, EBFT's feature
     model) declared frozen under the tree's ``reference`` key as the run declares it, so that a
     dry-run holds it too; False: the trained model alone (the start-up summary's counts)."""
     import functools
 
-    from functional_pp.app.held_models import held_model, pair_objective
+    from functional_pp.app.held_models import held_model, own_objective
     from functional_pp.app.inputs import frozen_and_adapters
     from functional_pp.app.preference_run import holding_reference, preference_objective, preference_spec
     family = model_family(cfg)
     decls = family.param_decls(model_cfg) if dtype is None else family.param_decls(model_cfg, dtype)
-    if as_run and pair_objective(cfg):
+    if as_run and own_objective(cfg):
         return preference_objective(cfg, preference_spec(cfg), family, model_cfg, cfg.lora_config(), decls)[:3]
     run = frozen_and_adapters(cfg, cfg.lora_config(), functools.partial(family.loss, cfg=model_cfg), decls)
     copy = held_model(cfg, model_cfg) if as_run else None

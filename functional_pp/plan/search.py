@@ -401,7 +401,7 @@ def search(loss_fn: Callable, decls: Any, n_devices: int, batch: BatchSpec, *,
 
 def _rows(batch: BatchSpec) -> int | None:
     """Sequences per step: the size of the inputs' ``batch`` dimension."""
-    for shape, dims in batch.values():
+    for shape, dims, *_ in batch.values():
         dims = dims.split() if isinstance(dims, str) else list(dims)
         if "batch" in dims:
             return shape[dims.index("batch")]

@@ -146,3 +146,23 @@ def test_grpo_holds_a_reference_with_a_kl_term_only(base_dir, beta):
     lines = planned_memory(cfg, mesh, cfg.build_rules(mesh), model_config(cfg)).splitlines()
     held = [x for x in lines if x.startswith("reference model:")]
     assert (REFERENCE in _model(cfg)[1]) == bool(held) == (beta > 0)
+
+
+@pytest.mark.parametrize("loss_type", ["kto", "apo_zero_unpaired"])
+def test_kto_estimate_runs_kto_on_its_own_batch(base_dir, loss_type):
+    """KTO's step is estimated as it runs: its loss on the completions, their KL rows (kto only)
+    and the float ``desirable`` column, the policy and the reference (the base under LoRA) on
+    both; its peak is a real KTO step's, measured."""
+    cfg = _cfg(base_dir, rl="kto", kto_loss_type=loss_type, **LORA,
+               datasets=[{"path": "unused.jsonl", "type": "chatml.ultra"}])
+    (est,) = rank_layouts(cfg, 2, "h100x8", space=FSDP2)
+    family, model_cfg = model_family(cfg), model_config(cfg)
+    loss, decls, trainable, _ = preference_objective(cfg, preference_spec(cfg), family, model_cfg,
+                                                     cfg.lora_config(), family.param_decls(model_cfg))
+    rows = ("tokens", "labels") + (("kl_tokens", "kl_labels") if loss_type == "kto" else ())
+    batch = {**{k: ((2, 16), "batch seq") for k in rows}, "desirable": ((2, 16), "batch seq", torch.float32)}
+    run, _, _ = measure(loss, decls, est.mesh, est.rules, batch, precision="bf16", trainable=trainable)
+    held = ("weights", "optimizer state")
+    step = [peak - sum(split.get(k, 0) for k in held)             # what the step adds to the held state
+            for peak, split in ((est.peak_bytes, est.memory), (run.peak_bytes, run.peak_breakdown))]
+    assert abs(step[0] / step[1] - 1) < 0.02, (est.memory, run.peak_breakdown)
