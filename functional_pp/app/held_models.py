@@ -79,14 +79,17 @@ def unpaired_objective(cfg: TrainConfig) -> bool:
 
 
 def own_objective(cfg: TrainConfig) -> bool:
-    """Whether the planner runs ``cfg``'s preference objective itself (a pair objective's or
-    KTO's), not the model's loss on ``tokens``."""
-    return pair_objective(cfg) or unpaired_objective(cfg)
+    """Whether the planner runs ``cfg``'s preference or reward objective itself (a pair
+    objective's, KTO's, a reward model's over its score head), not the model's loss on
+    ``tokens``."""
+    from functional_pp.app.reward_run import is_reward_run
+    return pair_objective(cfg) or unpaired_objective(cfg) or is_reward_run(cfg)
 
 
 def step_batch(cfg: TrainConfig, global_batch: int, row: int) -> dict:
     """The global batch spec a dry-run of ``cfg``'s step runs: ``global_batch`` pairs of chosen
-    and rejected rows (:func:`pair_objective`), KTO's completions with their KL rows and the
+    and rejected rows (:func:`pair_objective`; a reward model's with their scored-token one-hots,
+    margins and weights), KTO's completions with their KL rows and the
     float ``desirable`` column (data/unpaired.py; ``apo_zero_unpaired`` reads no KL rows), else
     rows of ``tokens`` and ``labels``."""
     import torch
@@ -94,6 +97,10 @@ def step_batch(cfg: TrainConfig, global_batch: int, row: int) -> dict:
     if pair_objective(cfg):
         keys = [*(f"{side}_{k}" for side in ("chosen", "rejected") for k in ("tokens", "labels")), "chosen_lm_labels"]
         return {k: spec for k in keys}                          # (data/pairs.py pair_rows; ORPO reads the last)
+    if cfg.reward_model:                                        # (data/reward_data.py ScoredPairSet.batch_rows)
+        floats = ("chosen_last", "rejected_last", "margin", "pair_weight")
+        return {**{k: spec for k in ("chosen_tokens", "rejected_tokens")},
+                **{k: (*spec, torch.float32) for k in floats}}
     if unpaired_objective(cfg):
         kl = [] if (cfg.kto_loss_type or "kto") == "apo_zero_unpaired" else ["kl_tokens", "kl_labels"]
         return {**{k: spec for k in ("tokens", "labels", *kl)}, "desirable": (*spec, torch.float32)}

@@ -64,7 +64,11 @@ def run_model(cfg: TrainConfig, model_cfg, dtype: Any = None, *, as_run: bool = 
     family = model_family(cfg)
     decls = family.param_decls(model_cfg) if dtype is None else family.param_decls(model_cfg, dtype)
     if as_run and own_objective(cfg):
-        return preference_objective(cfg, preference_spec(cfg), family, model_cfg, cfg.lora_config(), decls)[:3]
+        lora = cfg.lora_config()
+        if lora is not None and getattr(model_cfg, "score_head", None) is not None:    # (as app/loop.py)
+            from functional_pp.app.reward_run import with_head_saved
+            lora = with_head_saved(lora, decls)
+        return preference_objective(cfg, preference_spec(cfg), family, model_cfg, lora, decls)[:3]
     run = frozen_and_adapters(cfg, cfg.lora_config(), functools.partial(family.loss, cfg=model_cfg), decls)
     copy = held_model(cfg, model_cfg) if as_run else None
     return run if copy is None or copy.decls is None else holding_reference(*run, copy.decls)
