@@ -195,3 +195,20 @@ def test_process_reward_model_is_estimated_through_its_token_head(base_dir):
                datasets=[{"path": "unused.jsonl", "type": "stepwise_supervised", "step_separator": "\n"}])
     ranking = rank_layouts(cfg, 2, "h100x8", space=FSDP2)
     assert len(ranking) == 1 and not ranking.rejected
+
+
+@pytest.mark.parametrize("over, rows", [
+    (dict(rl="dpo"), 2), (dict(rl="orpo"), 2),
+    (dict(rl="kto", datasets=[{"path": "unused.jsonl", "type": "chatml.ultra"}]), 2),
+    (dict(rl="kto", kto_loss_type="apo_zero_unpaired", datasets=[{"path": "unused.jsonl", "type": "chatml.ultra"}]),
+     1),
+    (dict(rl=None, reward_model=True, model_type="AutoModelForSequenceClassification",
+          datasets=[{"path": "unused.jsonl", "type": "bradley_terry.chat_template"}]), 2),
+    (dict(rl=None, datasets=None, data={"max_bytes": 1000}), 1)])
+def test_plan_tokens_per_second_counts_every_row_the_step_computes(base_dir, over, rows):
+    """plan's tokens/s counts each example's rows: a pair's chosen and rejected rows, KTO's
+    completion and its KL row, a supervised row once."""
+    ranking = rank_layouts(_cfg(base_dir, **over), 2, "h100x8", space=FSDP2)
+    (est,) = ranking
+    assert ranking.tokens_per_step == 2 * rows * 16                # 2 examples of 16-token rows
+    assert ranking.tokens_per_s_per_device(est) == pytest.approx(2 * rows * 16 / (est.time.step_s * 2))
