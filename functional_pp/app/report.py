@@ -279,7 +279,6 @@ def planned_memory(cfg: TrainConfig, mesh, rules, model_cfg) -> str:
     est = planned_estimate(cfg, mesh, rules, model_cfg)
     held = held_line(cfg, mesh, rules, model_cfg)
     if est.rollout is not None:
-        from functional_pp.app.rollout_memory import rollout_line
         held = "\n".join(x for x in (rollout_line(est.rollout, "key / value cache" in est.memory), held) if x)
     split = ", ".join(f"{k} {human_bytes(v)}" for k, v in sorted(est.memory.items(), key=lambda kv: -kv[1]) if v)
     line = f"peak:       {human_bytes(est.peak_bytes)} per device in a training step{' or its rollout' if est.rollout is not None else ''} ({split}; plan.estimate)"
@@ -287,6 +286,15 @@ def planned_memory(cfg: TrainConfig, mesh, rules, model_cfg) -> str:
              f"{human_bytes(est.reserved_overhead)} of rounded blocks and cached free blocks; plan/allocator.py)")
     return line + (f"\nhost:       {human_bytes(est.host_bytes)} of host memory per device ({est.notes[-1]})"
                    if est.host_bytes else "") + (f"\n{held}" if held else "")
+
+
+def rollout_line(gen: Any, sets_peak: bool) -> str:
+    """The ``rollout:`` line of ``validate --memory``: the rollout's key / value cache and forward
+    (``gen``, app/rollout_memory.py) and whether it sets the peak."""
+    return (f"rollout:    key / value cache {human_bytes(gen.cache_bytes)} per device ({gen.batch} rows x "
+            f"({gen.prompt} prompt + {gen.new_tokens} new) positions) + forward {human_bytes(gen.forward_bytes)}, "
+            f"held with the weights and optimizer state before each step "
+            f"({'it sets the peak above' if sets_peak else 'the step peak above is higher'})")
 
 
 def held_line(cfg: TrainConfig, mesh, rules, model_cfg) -> str | None:

@@ -11,7 +11,7 @@ from typing import Any
 
 from functional_pp.config import TrainConfig, model_family
 
-__all__ = ["RolloutShape", "rollout_shape", "estimate_rollout", "hold_rollout", "rollout_line"]
+__all__ = ["RolloutShape", "rollout_shape", "estimate_rollout", "hold_rollout"]
 
 #: the step's categories a rollout holds too (gradients and activations are the step's own)
 HELD = ("weights", "optimizer state")
@@ -81,11 +81,3 @@ def hold_rollout(est: Any, gen: Any) -> None:
                       "generation forward": gen.forward_bytes}
         est.peak_bytes = rollout
 
-
-def rollout_line(gen: Any, sets_peak: bool) -> str:
-    """The ``rollout:`` line of ``validate --memory``."""
-    from functional_pp.app.report import human_bytes
-    return (f"rollout:    key / value cache {human_bytes(gen.cache_bytes)} per device ({gen.batch} rows x "
-            f"({gen.prompt} prompt + {gen.new_tokens} new) positions) + forward {human_bytes(gen.forward_bytes)}, "
-            f"held with the weights and optimizer state before each step ("
-            f"{'it sets the peak above' if sets_peak else 'the step peak above is higher'})")
