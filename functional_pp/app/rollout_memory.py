@@ -80,4 +80,3 @@ def hold_rollout(est: Any, gen: Any) -> None:
         est.memory = {**{c: est.memory.get(c, 0) for c in HELD}, "key / value cache": gen.cache_bytes,
                       "generation forward": gen.forward_bytes}
         est.peak_bytes = rollout
-
