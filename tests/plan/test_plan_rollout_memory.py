@@ -119,3 +119,43 @@ def test_ebft_rollout_is_documents_by_samples_at_the_last_anchor(base_dir):
     est = planned_estimate(cfg, mesh, cfg.build_rules(mesh), model_config(cfg))
     assert (est.rollout.batch, est.rollout.prompt, est.rollout.new_tokens) == (8, 12, 4)
     assert est.rollout.cache_bytes == cache_bytes(model_config(cfg), 8, 16, torch.bfloat16)
+
+
+def _device_rollout_cache(full, decls, policy, rules) -> int:
+    """The bytes of the cache this device's real rollout holds (16 rows over dp, 16 + 48 tokens)."""
+    from functional_pp.core.runtime import current_context
+    from functional_pp.models import kv_cache, sampling
+    from functional_pp.parallel.shard_map import use_rules
+    caches = []
+
+    class Recorded(kv_cache.KVCache):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            caches.append(self)
+    sampling.KVCache = Recorded
+    try:
+        with use_rules(rules):
+            local = sharding.shard(full, decls, current_context().mesh, rules, fpp.current_rank())
+            sample_completions(policy, sharding.named_tree(local, decls), [[1 + i] * 16 for i in range(4)],
+                               num_generations=4, max_completion_length=48, stop_ids=[], pad_id=0, row_multiple=2)
+    finally:
+        sampling.KVCache = kv_cache.KVCache
+    (cache,) = caches
+    return cache.nbytes()
+
+
+def test_fsdp_rollout_cache_is_each_gloo_processs_measured_cache(base_dir):
+    """Under dp_shard=2 each device samples half the rows: the estimate's per-device cache is what
+    each of two real gloo processes' rollouts holds (one position fewer: eager)."""
+    cfg = _cfg(base_dir, dp_shard_size=2)
+    mesh, model_cfg = cfg.mesh(2), model_config(cfg)
+    rules = grpo_run._sampling_rules(cfg.build_rules(mesh))
+    gen = estimate_rollout(cfg, mesh, cfg.build_rules(mesh), model_cfg, 16, torch.bfloat16)
+    family = model_family(cfg)
+    _, decls, _, policy = grpo_run.grpo_objective_of(cfg, grpo_run.grpo_settings(cfg), family, model_cfg, None,
+                                                     family.param_decls(model_cfg, torch.bfloat16))
+    full = fpp.init_params(decls, seed=0)
+    measured = fpp.launch(lambda: _device_rollout_cache(full, decls, policy, rules), mesh, processes=True,
+                          timeout=120)
+    assert measured == [cache_bytes(model_cfg, 16, 63, torch.bfloat16, batch_split=2)] * 2
+    assert gen.cache_bytes * 63 == measured[0] * 64
