@@ -292,7 +292,9 @@ def rollout_line(gen: Any, sets_peak: bool) -> str:
     """The ``rollout:`` line of ``validate --memory``: the rollout's key / value cache and forward
     (``gen``, app/rollout_memory.py) and whether it sets the peak."""
     return (f"rollout:    key / value cache {human_bytes(gen.cache_bytes)} per device ({gen.batch} rows x "
-            f"({gen.prompt} prompt + {gen.new_tokens} new) positions) + forward {human_bytes(gen.forward_bytes)}, "
+            f"({gen.prompt} prompt + {gen.new_tokens} new) positions) + forward {human_bytes(gen.forward_bytes)}"
+            + (f" + the trained weights in the compute dtype {human_bytes(gen.cast_bytes)}" if gen.cast_bytes else "")
+            + ", "
             f"held with the weights and optimizer state before each step "
             f"({'it sets the peak above' if sets_peak else 'the step peak above is higher'})")
 

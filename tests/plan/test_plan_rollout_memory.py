@@ -85,7 +85,8 @@ def test_validate_memory_counts_the_rollout(base_dir):
     est = planned_estimate(cfg, mesh, cfg.build_rules(mesh), model_config(cfg))
     gen = est.rollout
     assert gen.batch == 16 and (gen.prompt, gen.new_tokens) == (16, 48)
-    assert est.peak_bytes == est.memory["weights"] + est.memory["optimizer state"] + gen.cache_bytes + gen.forward_bytes
+    assert est.peak_bytes == (est.memory["weights"] + est.memory["optimizer state"] + gen.cast_bytes + gen.cache_bytes
+                              + gen.forward_bytes)
     text = planned_memory(cfg, mesh, cfg.build_rules(mesh), model_config(cfg)).splitlines()
     assert any(x.startswith("rollout:    key / value cache ") and "it sets the peak above" in x for x in text)
     short = _cfg(base_dir, gradient_accumulation_steps=1, micro_batch_size=4, activation_checkpointing=False)
@@ -159,3 +160,27 @@ def test_fsdp_rollout_cache_is_each_gloo_processs_measured_cache(base_dir):
                           timeout=120)
     assert measured == [cache_bytes(model_cfg, 16, 63, torch.bfloat16, batch_split=2)] * 2
     assert gen.cache_bytes * 63 == measured[0] * 64
+
+
+def test_rollout_counts_the_compute_copy_the_sampling_reads(base_dir):
+    """Under bf16 the sampling reads ``step.named_params``: the fp32 masters cast to bf16, a copy
+    held through the rollout beside them; the estimate's ``cast_bytes`` are that copy's, measured
+    on a real step's state (none under fp32)."""
+    from functional_pp import optim
+    from functional_pp.step.train import train_step
+    cfg = _cfg(base_dir)
+    mesh, model_cfg = fpp.Mesh(), model_config(cfg)
+    family = model_family(cfg)
+    loss, decls, trainable, _ = grpo_run.grpo_objective_of(cfg, grpo_run.grpo_settings(cfg), family, model_cfg, None,
+                                                           family.param_decls(model_cfg))
+
+    def copy_bytes():
+        step = train_step(loss, optim.adamw(1e-4), mesh=mesh, rules=fpp.Rules(), precision="bf16", trainable=trainable)
+        state = step.init(fpp.init(lambda: decls, mesh=mesh, rules=fpp.Rules(), seed=0))
+        masters = {x.data_ptr() for x in optree.tree_leaves(state["params"])}
+        return sum(x.data.numel() * x.data.element_size() for x in optree.tree_leaves(step.named_params(state["params"]))
+                   if x.data.data_ptr() not in masters)
+    (measured,) = fpp.launch(copy_bytes, mesh)
+    rules = cfg.build_rules(mesh)
+    assert estimate_rollout(cfg, mesh, rules, model_cfg, 16, torch.bfloat16).cast_bytes == measured > 0
+    assert estimate_rollout(cfg, mesh, rules, model_cfg, 16, torch.float32).cast_bytes == 0
