@@ -35,13 +35,30 @@ class RolloutEstimate:
     generation: Any
     cast_bytes: int
 
-    def __getattr__(self, name: str) -> Any:           # batch, prompt, new_tokens, cache_bytes, forward_bytes
-        return getattr(self.generation, name)
+    @property
+    def batch(self) -> int:
+        return self.generation.batch
+
+    @property
+    def prompt(self) -> int:
+        return self.generation.prompt
+
+    @property
+    def new_tokens(self) -> int:
+        return self.generation.new_tokens
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.generation.cache_bytes
+
+    @property
+    def forward_bytes(self) -> int:
+        return self.generation.forward_bytes
 
     @property
     def added_bytes(self) -> int:
         """What the rollout holds beyond the step's held state: the copy, the cache, one forward."""
-        return self.cast_bytes + self.generation.cache_bytes + self.generation.forward_bytes
+        return self.cast_bytes + self.cache_bytes + self.forward_bytes
 
 
 def rollout_shape(cfg: TrainConfig, global_batch: int) -> RolloutShape | None:
