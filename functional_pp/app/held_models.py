@@ -14,7 +14,7 @@ from typing import Any
 
 from functional_pp.config import TrainConfig, model_family
 
-__all__ = ["HeldModel", "held_model", "pair_objective", "step_batch"]
+__all__ = ["HeldModel", "held_model", "pair_objective", "unpaired_objective", "own_objective", "step_batch"]
 
 
 @dataclass(frozen=True)
@@ -71,9 +71,37 @@ def pair_objective(cfg: TrainConfig) -> bool:
     return isinstance(spec, PreferenceSpec) and not (cfg.precompute_ref_log_probs and spec.needs_reference)
 
 
+def unpaired_objective(cfg: TrainConfig) -> bool:
+    """Whether ``cfg``'s step is KTO's without precomputed reference log-probabilities: the
+    planner then runs KTO's own loss on its batch of unpaired completions (:func:`step_batch`:
+    the completions, their KL rows and the ``desirable`` column)."""
+    return str(cfg.rl).lower() == "kto" and not cfg.precompute_ref_log_probs
+
+
+def own_objective(cfg: TrainConfig) -> bool:
+    """Whether the planner runs ``cfg``'s preference or reward objective itself (a pair
+    objective's, KTO's, a reward model's over its score head), not the model's loss on
+    ``tokens``."""
+    from functional_pp.app.reward_run import is_reward_run
+    return pair_objective(cfg) or unpaired_objective(cfg) or is_reward_run(cfg)
+
+
 def step_batch(cfg: TrainConfig, global_batch: int, row: int) -> dict:
     """The global batch spec a dry-run of ``cfg``'s step runs: ``global_batch`` pairs of chosen
-    and rejected rows (:func:`pair_objective`), else rows of ``tokens`` and ``labels``."""
-    keys = [*(f"{side}_{k}" for side in ("chosen", "rejected") for k in ("tokens", "labels")), "chosen_lm_labels"] \
-        if pair_objective(cfg) else ["tokens", "labels"]       # (data/pairs.py pair_rows; ORPO reads the last)
-    return {k: ((global_batch, row), "batch seq") for k in keys}
+    and rejected rows (:func:`pair_objective`; a reward model's with their scored-token one-hots,
+    margins and weights), KTO's completions with their KL rows and the
+    float ``desirable`` column (data/unpaired.py; ``apo_zero_unpaired`` reads no KL rows), else
+    rows of ``tokens`` and ``labels``."""
+    import torch
+    spec = ((global_batch, row), "batch seq")
+    if pair_objective(cfg):
+        keys = [*(f"{side}_{k}" for side in ("chosen", "rejected") for k in ("tokens", "labels")), "chosen_lm_labels"]
+        return {k: spec for k in keys}                          # (data/pairs.py pair_rows; ORPO reads the last)
+    if cfg.reward_model:                                        # (data/reward_data.py ScoredPairSet.batch_rows)
+        floats = ("chosen_last", "rejected_last", "margin", "pair_weight")
+        return {**{k: spec for k in ("chosen_tokens", "rejected_tokens")},
+                **{k: (*spec, torch.float32) for k in floats}}
+    if unpaired_objective(cfg):
+        kl = [] if (cfg.kto_loss_type or "kto") == "apo_zero_unpaired" else ["kl_tokens", "kl_labels"]
+        return {**{k: spec for k in ("tokens", "labels", *kl)}, "desirable": (*spec, torch.float32)}
+    return {k: spec for k in ("tokens", "labels")}

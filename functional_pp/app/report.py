@@ -52,19 +52,23 @@ def run_model(cfg: TrainConfig, model_cfg, dtype: Any = None, *, as_run: bool = 
     included: app/inputs.py ``frozen_and_adapters``), the weights declared in ``dtype``
     (default fp32; the planner passes the compute dtype, in which a frozen base is held).
     ``as_run``: with what the run's step holds beyond the model (app/held_models.py): a pair
-    objective's own loss (on :func:`~functional_pp.app.held_models.step_batch`'s pairs) and
-    its reference, another objective's frozen copy (KTO's, GRPO's reference, EBFT's feature
+    objective's or KTO's own loss (on :func:`~functional_pp.app.held_models.step_batch`'s pairs
+    or unpaired completions) and its reference, another objective's frozen copy (GRPO's reference, EBFT's feature
     model) declared frozen under the tree's ``reference`` key as the run declares it, so that a
     dry-run holds it too; False: the trained model alone (the start-up summary's counts)."""
     import functools
 
-    from functional_pp.app.held_models import held_model, pair_objective
+    from functional_pp.app.held_models import held_model, own_objective
     from functional_pp.app.inputs import frozen_and_adapters
     from functional_pp.app.preference_run import holding_reference, preference_objective, preference_spec
     family = model_family(cfg)
     decls = family.param_decls(model_cfg) if dtype is None else family.param_decls(model_cfg, dtype)
-    if as_run and pair_objective(cfg):
-        return preference_objective(cfg, preference_spec(cfg), family, model_cfg, cfg.lora_config(), decls)[:3]
+    if as_run and own_objective(cfg):
+        lora = cfg.lora_config()
+        if lora is not None and getattr(model_cfg, "score_head", None) is not None:    # (as app/loop.py)
+            from functional_pp.app.reward_run import with_head_saved
+            lora = with_head_saved(lora, decls)
+        return preference_objective(cfg, preference_spec(cfg), family, model_cfg, lora, decls)[:3]
     run = frozen_and_adapters(cfg, cfg.lora_config(), functools.partial(family.loss, cfg=model_cfg), decls)
     copy = held_model(cfg, model_cfg) if as_run else None
     return run if copy is None or copy.decls is None else holding_reference(*run, copy.decls)
@@ -250,11 +254,23 @@ def planned_estimate(cfg: TrainConfig, mesh, rules, model_cfg):
     options = {"keep_gathered": True} if not cfg.reshard_after_forward else {}
     options.update(cfg.offload_options())
     with as_compiled(cfg):
-        return estimate(loss, decls, mesh, rules, batch, optimizer=optimizer_from_config(cfg)[0],
-                        precision=cfg.resolved_precision(), grad_accum=cfg.grad_accum(mesh, rules),
-                        remat=cfg.activation_checkpointing, options=options, timeline=False, trainable=trainable,
-                        schedule=cfg.pp_schedule, virtual_stages=cfg.pp_virtual_stages,
-                        pp_fsdp_gather=cfg.pp_fsdp_gather, compiled=compiled_layers(cfg))
+        est = estimate(loss, decls, mesh, rules, batch, optimizer=optimizer_from_config(cfg)[0],
+                       precision=cfg.resolved_precision(), grad_accum=cfg.grad_accum(mesh, rules),
+                       remat=cfg.activation_checkpointing, options=options, timeline=False, trainable=trainable,
+                       schedule=cfg.pp_schedule, virtual_stages=cfg.pp_virtual_stages,
+                       pp_fsdp_gather=cfg.pp_fsdp_gather, compiled=compiled_layers(cfg))
+    add_rollout(cfg, model_cfg, gb, est)
+    return est
+
+
+def add_rollout(cfg: TrainConfig, model_cfg, global_batch: int, est) -> None:
+    """Count an online run's rollout (GRPO, EBFT: app/rollout_memory.py) in ``est``, a step's
+    estimate under its mesh and rules: its peak becomes the larger of the rollout's and the
+    step's. Nothing for a run without a rollout."""
+    from functional_pp.app.rollout_memory import estimate_rollout, hold_rollout
+    gen = estimate_rollout(cfg, est.mesh, est.rules, model_cfg, global_batch, compute_dtype(cfg))
+    if gen is not None:
+        hold_rollout(est, gen)
 
 
 def planned_memory(cfg: TrainConfig, mesh, rules, model_cfg) -> str:
@@ -262,12 +278,25 @@ def planned_memory(cfg: TrainConfig, mesh, rules, model_cfg) -> str:
     from :func:`planned_estimate` (the real step on meta tensors; docs/planning.md)."""
     est = planned_estimate(cfg, mesh, rules, model_cfg)
     held = held_line(cfg, mesh, rules, model_cfg)
+    if est.rollout is not None:
+        held = "\n".join(x for x in (rollout_line(est.rollout, "key / value cache" in est.memory), held) if x)
     split = ", ".join(f"{k} {human_bytes(v)}" for k, v in sorted(est.memory.items(), key=lambda kv: -kv[1]) if v)
-    line = f"peak:       {human_bytes(est.peak_bytes)} per device in a training step ({split}; plan.estimate)"
+    line = f"peak:       {human_bytes(est.peak_bytes)} per device in a training step{' or its rollout' if est.rollout is not None else ''} ({split}; plan.estimate)"
     line += (f"\nreserved:   {human_bytes(est.reserved_bytes)} per device by the CUDA caching allocator (the peak and "
              f"{human_bytes(est.reserved_overhead)} of rounded blocks and cached free blocks; plan/allocator.py)")
     return line + (f"\nhost:       {human_bytes(est.host_bytes)} of host memory per device ({est.notes[-1]})"
                    if est.host_bytes else "") + (f"\n{held}" if held else "")
+
+
+def rollout_line(gen: Any, sets_peak: bool) -> str:
+    """The ``rollout:`` line of ``validate --memory``: the rollout's key / value cache and forward
+    (``gen``, app/rollout_memory.py) and whether it sets the peak."""
+    return (f"rollout:    key / value cache {human_bytes(gen.cache_bytes)} per device ({gen.batch} rows x "
+            f"({gen.prompt} prompt + {gen.new_tokens} new) positions) + forward {human_bytes(gen.forward_bytes)}"
+            + (f" + the trained weights in the compute dtype {human_bytes(gen.cast_bytes)}" if gen.cast_bytes else "")
+            + ", "
+            f"held with the weights and optimizer state before each step "
+            f"({'it sets the peak above' if sets_peak else 'the step peak above is higher'})")
 
 
 def held_line(cfg: TrainConfig, mesh, rules, model_cfg) -> str | None:

@@ -12,7 +12,7 @@ from textwrap import indent
 from typing import IO
 
 from functional_pp.app.report import human_bytes
-from functional_pp.app.row_tokens import row_tokens
+from functional_pp.app.row_tokens import row_tokens, step_tokens
 
 from functional_pp.plan.cluster import cluster as as_cluster
 from functional_pp.plan.cluster import PRESETS, describe_presets
@@ -74,7 +74,8 @@ def rank_layouts(cfg, n_devices: int, cluster="h100x8", *, memory_gb: float | No
     progress goes to ``stream`` (default stderr), rewritten in place only on a terminal."""
     from functional_pp.app.held_models import step_batch
     from functional_pp.app.optimizer import optimizer_from_config
-    from functional_pp.app.report import as_compiled, compiled_layers
+    from functional_pp.app.report import add_rollout, as_compiled, compiled_layers
+    from functional_pp.config import model_config
     _check_searchable(cfg)
     loss, decls, trainable = _model(cfg)
     gb = global_batch_for(cfg, n_devices)
@@ -94,7 +95,9 @@ def rank_layouts(cfg, n_devices: int, cluster="h100x8", *, memory_gb: float | No
         ranking = search(loss, decls, n_devices, batch, cluster=cluster, space=space, strategy=strat,
                          memory_limit_bytes=limit, progress=progress, trainable=trainable,
                          pp_fsdp_gather=cfg.pp_fsdp_gather, optimizer=optimizer_from_config(cfg)[0],
-                         compiled=compiled_layers(cfg), cost_model=functools.partial(cost, float8=float8))
+                         compiled=compiled_layers(cfg), cost_model=functools.partial(cost, float8=float8),
+                         amend=functools.partial(add_rollout, cfg, model_config(cfg), gb),
+                         tokens_per_step=step_tokens(cfg, gb, row))
     print(("\r" + " " * 90 + "\r" if live else "") + f"  estimated {len(ranking) + len(ranking.rejected)} layouts "
           f"in {time.perf_counter() - started:.0f} s", file=out, flush=True)
     return ranking

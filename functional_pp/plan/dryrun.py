@@ -29,7 +29,9 @@ from functional_pp.plan.pipeline import PP, pipeline_plan, split_pipeline
 from functional_pp.plan.tracker import DeviceRun, MemoryTracker
 from functional_pp.step.train import DEFAULT_BATCH_DIMS, PER_WEIGHT, PRECISIONS, train_step
 
-BatchSpec = dict[str, tuple[Sequence[int], str]]
+#: a step's inputs: key -> (global shape, dims) or (global shape, dims, dtype) (default int64 ids;
+#: a float column such as KTO's ``desirable`` names torch.float32)
+BatchSpec = dict[str, tuple]
 
 
 @dataclass
@@ -63,6 +65,9 @@ class LayoutEstimate:
     # identical layers, f(1) + (L-1)(f(2) - f(1)); docs/planning.md, "Layers that differ")
     layer_runs: tuple[int, ...] | None = None
     layer_weights: tuple[Fraction, ...] | None = None
+    # an online run's rollout (a plan.generation.GenerationEstimate) held over the same state
+    # before each step: the peak is the larger (app/rollout_memory.py)
+    rollout: Any = None
 
     @property
     def comm_bytes(self) -> int:
@@ -241,7 +246,8 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
     ``notes``); ``rank=`` picks one.
 
     ``batch`` gives each input's GLOBAL shape and dimension names, e.g.
-    ``{"tokens": ((8, 4096), "batch seq"), "labels": ((8, 4096), "batch seq")}``.
+    ``{"tokens": ((8, 4096), "batch seq"), "labels": ((8, 4096), "batch seq")}`` (int64 ids; a third
+    element names another dtype, e.g. ``((8, 4096), "batch seq", torch.float32)`` for a float column).
     ``precision``, ``grad_accum``, ``remat`` (False, True, ``"selective"`` or ``"selective_alternate"``:
     the step runs its selective checkpointing, the kept matmul and attention results counted as activations and
     the recomputed ops in backward) and ``optimizer`` (default AdamW) are the training step's; ``options`` the ops' (``keep_gathered``, ``cp_attention``).
@@ -317,7 +323,7 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
     else:
         variants, n_layers, lengths, layer_w = [decls], 1, None, None
     micro = _micro_runs(batch, grad_accum) if extrapolate_micro_steps else None
-    steps = [(g, {k: ((shape[0] // grad_accum * g, *shape[1:]), dims) for k, (shape, dims) in batch.items()})
+    steps = [(g, {k: ((shape[0] // grad_accum * g, *shape[1:]), *rest) for k, (shape, *rest) in batch.items()})
              for g in MICRO_RUNS] if micro else [(grad_accum, batch)]
 
     def run_on(device: int) -> list:
@@ -409,11 +415,11 @@ def _estimate_pipeline(loss_fn, decls, mesh: Mesh, rules: Rules, batch: BatchSpe
                          f"{repeated!r}, which the parameter tree does not have (pass repeated='path')")
     n_layers = len(layers_list)
     inner, inner_rules, timeline = split_pipeline(mesh, rules, n_layers, micro, schedule, virtual)
-    for key, (shape, _) in batch.items():
+    for key, (shape, *_) in batch.items():
         if shape[0] % micro:
             raise ValueError(f"plan.estimate: batch[{key!r}] has {shape[0]} sequences, not divisible into "
                              f"grad_accum={micro} micro-batches")
-    micro_batch = {k: ((shape[0] // micro, *shape[1:]), dims) for k, (shape, dims) in batch.items()}
+    micro_batch = {k: ((shape[0] // micro, *shape[1:]), *rest) for k, (shape, *rest) in batch.items()}
     p = mesh.shape[PP]
     per_device = n_layers // p
     stage = {**decls, repeated: layers_list[:per_device], **_stage_copies(decls, repeated, n_layers, per_device)}
@@ -522,7 +528,7 @@ def _learn_needed(loss_fn, decls, mesh, rules, batch, options, optimizer, precis
 def batch_dims_of(batch: BatchSpec) -> dict:
     """``train_step``'s ``batch_dims`` of a batch spec: its keys' dimension names (over the
     step's defaults), so a batch of other keys (a DPO step's pairs) is laid out as given."""
-    return {**DEFAULT_BATCH_DIMS, **{k: dims for k, (_, dims) in batch.items()}}
+    return {**DEFAULT_BATCH_DIMS, **{k: dims for k, (_, dims, *_) in batch.items()}}
 
 
 def _run_device(loss_fn, decls, mesh, rules, batch, options, optimizer, precision, grad_accum, remat,
@@ -604,10 +610,11 @@ def _meta_batch(batch: BatchSpec, rules: Rules, mesh: Mesh) -> dict:
 
 def _meta_named_batch(batch: BatchSpec, rules: Rules, mesh: Mesh) -> dict:
     out = {}
-    for key, (shape, dims) in batch.items():
+    for key, (shape, dims, *dtype) in batch.items():
         dims = dims.split() if isinstance(dims, str) else list(dims)
         layout = rules.resolve(dims, shape, mesh, name=f"batch[{key!r}]")
-        out[key] = wrap(torch.zeros(local_shape(shape, layout, mesh), dtype=torch.long, device="meta"), dims, layout)
+        out[key] = wrap(torch.zeros(local_shape(shape, layout, mesh), dtype=(dtype or [torch.long])[0], device="meta"),
+                        dims, layout)
     return out
 
 
@@ -617,7 +624,7 @@ def _nbytes(tensors) -> int:
 
 def _micro_runs(batch: BatchSpec, grad_accum: int) -> tuple | None:
     """(G, 2, 3) when ``grad_accum`` = G micro-steps are better run as 2 and 3 and extrapolated."""
-    if grad_accum < EXTRAPOLATE_FROM or any(shape[0] % grad_accum for shape, _ in batch.values()):
+    if grad_accum < EXTRAPOLATE_FROM or any(shape[0] % grad_accum for shape, *_ in batch.values()):
         return None
     return (grad_accum, *MICRO_RUNS)
 

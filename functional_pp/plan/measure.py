@@ -44,10 +44,10 @@ def measure(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules: 
         with use_rules(rules), configure(**options):
             state = step.init(params() if params is not None else init(lambda: decls, mesh=mesh, rules=rules, seed=seed))
             local = {}
-            for key, (shape, dims) in batch.items():
+            for key, (shape, dims, *dtype) in batch.items():
                 dims = dims.split() if isinstance(dims, str) else list(dims)
                 layout = rules.resolve(dims, shape, mesh, name=f"batch[{key!r}]")
-                local[key] = torch.zeros(local_shape(shape, layout, mesh), dtype=torch.long)
+                local[key] = torch.zeros(local_shape(shape, layout, mesh), dtype=(dtype or [torch.long])[0])
             me = current_rank() == rank
             masters = [x for _, x in leaves_with_paths(state["params"])]
             baseline = {"weights": sum(x.numel() * x.element_size() for x in masters),

@@ -343,7 +343,8 @@ def search(loss_fn: Callable, decls: Any, n_devices: int, batch: BatchSpec, *,
            memory_limit_bytes: float | None = None, strategy=None, cost_model=cost,
            bandwidth=None, options: dict | None = None, precision: str | None = None,
            progress: Callable[[int, int, str], None] | None = None, trainable: Any = None,
-           pp_fsdp_gather: str = "step", optimizer: Any = None, compiled: bool = False) -> Ranking:
+           pp_fsdp_gather: str = "step", optimizer: Any = None, compiled: bool = False,
+           amend: Callable[[LayoutEstimate], None] | None = None, tokens_per_step: int | None = None) -> Ranking:
     """Estimate and cost candidate layouts of ``n_devices`` and rank them: those within the
     memory limit (default: the cluster's device memory) first, by step time, then memory.
 
@@ -356,7 +357,11 @@ def search(loss_fn: Callable, decls: Any, n_devices: int, batch: BatchSpec, *,
     the step's mask (:func:`estimate`'s; adapters, frozen or quantized bases), for every layout;
     ``pp_fsdp_gather``: FSDP under a pipeline gathers once per "step" or per "micro"-batch;
     ``optimizer``: the step's (default AdamW), whose state is part of the memory; ``compiled``:
-    each layer compiled on its own (``estimate(compiled=True)``: what a compiled layer saves)."""
+    each layer compiled on its own (``estimate(compiled=True)``: what a compiled layer saves);
+    ``amend(estimate)``: adds what the run holds beyond its step (an online run's rollout:
+    app/report.py ``add_rollout``) before the layout is costed and fitted; ``tokens_per_step``:
+    the tokens a step computes, for tokens/s (default: the first input's elements; a pair
+    objective passes its chosen and rejected rows: app/row_tokens.py ``step_tokens``)."""
     cl = as_cluster(cluster) if cluster is not None else None
     limit = memory_limit_bytes if memory_limit_bytes is not None else (cl.memory_bytes if cl else None)
     space = space or Space(precision=precision or "bf16")
@@ -381,6 +386,8 @@ def search(loss_fn: Callable, decls: Any, n_devices: int, batch: BatchSpec, *,
             cause = getattr(exc, "original", exc)
             rejected.append((name, f"{type(cause).__name__}: {cause}".splitlines()[0]))
             return None
+        if amend is not None:
+            amend(e)
         if cl is not None:
             e.time = cost_model(e, cl)
         e.settings["fits"] = _fits(e, limit)
@@ -390,13 +397,14 @@ def search(loss_fn: Callable, decls: Any, n_devices: int, batch: BatchSpec, *,
     results.sort(key=lambda e: (not _fits(e, limit), _time(e), e.peak_bytes))
     if results:
         results[0].notes.extend(f"skipped {m}: {why}" for m, why in rejected)
-    tokens = math.prod(next(iter(batch.values()))[0]) if batch else 0
+    tokens = (tokens_per_step if tokens_per_step is not None
+              else math.prod(next(iter(batch.values()))[0]) if batch else 0)
     return Ranking(results, rejected, limit, cl.name if cl else None, tokens_per_step=tokens, devices=n_devices)
 
 
 def _rows(batch: BatchSpec) -> int | None:
     """Sequences per step: the size of the inputs' ``batch`` dimension."""
-    for shape, dims in batch.values():
+    for shape, dims, *_ in batch.values():
         dims = dims.split() if isinstance(dims, str) else list(dims)
         if "batch" in dims:
             return shape[dims.index("batch")]

@@ -146,3 +146,69 @@ def test_grpo_holds_a_reference_with_a_kl_term_only(base_dir, beta):
     lines = planned_memory(cfg, mesh, cfg.build_rules(mesh), model_config(cfg)).splitlines()
     held = [x for x in lines if x.startswith("reference model:")]
     assert (REFERENCE in _model(cfg)[1]) == bool(held) == (beta > 0)
+
+
+@pytest.mark.parametrize("loss_type", ["kto", "apo_zero_unpaired"])
+def test_kto_estimate_runs_kto_on_its_own_batch(base_dir, loss_type):
+    """KTO's step is estimated as it runs: its loss on the completions, their KL rows (kto only)
+    and the float ``desirable`` column, the policy and the reference (the base under LoRA) on
+    both; its peak is a real KTO step's, measured."""
+    cfg = _cfg(base_dir, rl="kto", kto_loss_type=loss_type, **LORA,
+               datasets=[{"path": "unused.jsonl", "type": "chatml.ultra"}])
+    (est,) = rank_layouts(cfg, 2, "h100x8", space=FSDP2)
+    family, model_cfg = model_family(cfg), model_config(cfg)
+    loss, decls, trainable, _ = preference_objective(cfg, preference_spec(cfg), family, model_cfg,
+                                                     cfg.lora_config(), family.param_decls(model_cfg))
+    rows = ("tokens", "labels") + (("kl_tokens", "kl_labels") if loss_type == "kto" else ())
+    batch = {**{k: ((2, 16), "batch seq") for k in rows}, "desirable": ((2, 16), "batch seq", torch.float32)}
+    run, _, _ = measure(loss, decls, est.mesh, est.rules, batch, precision="bf16", trainable=trainable)
+    held = ("weights", "optimizer state")
+    step = [peak - sum(split.get(k, 0) for k in held)             # what the step adds to the held state
+            for peak, split in ((est.peak_bytes, est.memory), (run.peak_bytes, run.peak_breakdown))]
+    assert abs(step[0] / step[1] - 1) < 0.02, (est.memory, run.peak_breakdown)
+
+
+@pytest.mark.parametrize("adapter", [None, "lora"])
+def test_reward_model_estimate_runs_its_pairs(base_dir, adapter):
+    """A reward model's step is estimated on its batch of Bradley-Terry pairs through its score
+    head (app/reward_run.py): its peak is a real reward step's, measured."""
+    from functional_pp.app.reward_run import reward_objective, reward_spec, with_head_saved
+    cfg = _cfg(base_dir, rl=None, reward_model=True, model_type="AutoModelForSequenceClassification",
+               datasets=[{"path": "unused.jsonl", "type": "bradley_terry.chat_template"}], **(LORA if adapter else {}))
+    (est,) = rank_layouts(cfg, 2, "h100x8", space=FSDP2)
+    model_cfg = model_config(cfg)
+    base = model_family(cfg).param_decls(model_cfg)
+    lora = with_head_saved(cfg.lora_config(), base) if adapter else None
+    loss, decls, trainable = reward_objective(cfg, reward_spec(cfg), model_cfg, lora, base)
+    floats = ("chosen_last", "rejected_last", "margin", "pair_weight")
+    batch = {**{k: ((2, 16), "batch seq") for k in ("chosen_tokens", "rejected_tokens")},
+             **{k: ((2, 16), "batch seq", torch.float32) for k in floats}}
+    run, _, _ = measure(loss, decls, est.mesh, est.rules, batch, precision="bf16", trainable=trainable)
+    assert est.memory["weights"] == run.peak_breakdown["weights"]
+    assert abs(est.peak_bytes / run.peak_bytes - 1) < 0.02, (est.memory, run.peak_breakdown)
+
+
+def test_process_reward_model_is_estimated_through_its_token_head(base_dir):
+    """A process reward model's step (rows of ``tokens`` and per-token ``labels``) runs through its
+    token-classification head: plan estimates it (the language-model loss had no ``lm_head``)."""
+    cfg = _cfg(base_dir, rl=None, process_reward_model=True, num_labels=2, model_type="AutoModelForTokenClassification",
+               datasets=[{"path": "unused.jsonl", "type": "stepwise_supervised", "step_separator": "\n"}])
+    ranking = rank_layouts(cfg, 2, "h100x8", space=FSDP2)
+    assert len(ranking) == 1 and not ranking.rejected
+
+
+@pytest.mark.parametrize("over, rows", [
+    (dict(rl="dpo"), 2), (dict(rl="orpo"), 2),
+    (dict(rl="kto", datasets=[{"path": "unused.jsonl", "type": "chatml.ultra"}]), 2),
+    (dict(rl="kto", kto_loss_type="apo_zero_unpaired", datasets=[{"path": "unused.jsonl", "type": "chatml.ultra"}]),
+     1),
+    (dict(rl=None, reward_model=True, model_type="AutoModelForSequenceClassification",
+          datasets=[{"path": "unused.jsonl", "type": "bradley_terry.chat_template"}]), 2),
+    (dict(rl=None, datasets=None, data={"max_bytes": 1000}), 1)])
+def test_plan_tokens_per_second_counts_every_row_the_step_computes(base_dir, over, rows):
+    """plan's tokens/s counts each example's rows: a pair's chosen and rejected rows, KTO's
+    completion and its KL row, a supervised row once."""
+    ranking = rank_layouts(_cfg(base_dir, **over), 2, "h100x8", space=FSDP2)
+    (est,) = ranking
+    assert ranking.tokens_per_step == 2 * rows * 16                # 2 examples of 16-token rows
+    assert ranking.tokens_per_s_per_device(est) == pytest.approx(2 * rows * 16 / (est.time.step_s * 2))

@@ -1,0 +1,186 @@
+"""An online run's rollout (GRPO, EBFT) holds a key / value cache of the sampled batch beside the
+training state (app/rollout_memory.py): ``validate --memory`` prints it and its peak is the larger
+of the rollout's and the step's, and ``plan`` fits layouts by it. Oracle: a real rollout
+(preference/rollout.py ``sample_completions``, an eager ``generate``) on real weights, measured by
+the memory tracker as the generation tests measure ``generate``."""
+from __future__ import annotations
+
+import optree
+import pytest
+import torch
+
+import functional_pp as fpp
+from functional_pp.app import grpo_run, report
+from functional_pp.app.report import planned_estimate, planned_memory
+from functional_pp.app.rollout_memory import estimate_rollout
+from functional_pp.cli.plan import explain, rank_layouts
+from functional_pp.config import TrainConfig, model_config, model_family
+from functional_pp.models.kv_cache import cache_bytes
+from functional_pp.parallel import sharding
+from functional_pp.plan import Space
+from functional_pp.plan.tracker import MemoryTracker
+from functional_pp.preference.rollout import sample_completions
+
+transformers = pytest.importorskip("transformers")
+
+HF = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+          num_key_value_heads=4, head_dim=16, max_position_embeddings=128, tie_word_embeddings=False)
+GRPO = dict(rl="grpo", sequence_len=64, micro_batch_size=1, gradient_accumulation_steps=16, bf16=True,
+            optimizer="adamw_torch_fused", activation_checkpointing=True, datasets=[{"path": "unused.jsonl"}],
+            trl={"reward_funcs": ["toy_rewards.letters"], "num_generations": 4, "max_completion_length": 48})
+ONE = Space(max_axis={"tp": 1, "cp": 1}, precision="bf16", remat=(True,), keep_gathered=(False,), micro_batch_sizes=(1,))
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("base")
+    transformers.LlamaConfig(**HF).save_pretrained(d)
+    return d
+
+
+def _cfg(base_dir, **kw) -> TrainConfig:
+    return TrainConfig.from_dict({**GRPO, "base_model": str(base_dir), **kw}, name="rollout")
+
+
+def test_rollout_estimate_holds_a_measured_rollouts_cache(base_dir, monkeypatch):
+    """A real rollout of the config's 4 prompts x 4 generations (16 rows, 16 prompt + 48 new
+    tokens, bf16) holds a cache of 16 x 63 positions (an eager ``generate`` stores every position
+    but the last sampled); the estimate's is the static cache of 64, and a real rollout's peak
+    above its weights lies under the estimate's cache + one forward."""
+    from functional_pp.models import kv_cache, sampling
+    caches = []
+
+    class Recorded(kv_cache.KVCache):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            caches.append(self)
+    monkeypatch.setattr(sampling, "KVCache", Recorded)
+    cfg = _cfg(base_dir)
+    mesh, model_cfg = fpp.Mesh(), model_config(cfg)
+    gen = estimate_rollout(cfg, mesh, cfg.build_rules(mesh), model_cfg, 16, torch.bfloat16)
+    family = model_family(cfg)
+    _, decls, _, policy = grpo_run.grpo_objective_of(cfg, grpo_run.grpo_settings(cfg), family, model_cfg, None,
+                                                     family.param_decls(model_cfg, torch.bfloat16))
+    params = sharding.named_tree(fpp.init_params(decls, seed=0), decls)
+    leaves = [x.data for x in optree.tree_leaves(params)]
+    weights = sum(t.numel() * t.element_size() for t in leaves)
+    tracker = MemoryTracker({"weights": weights}, leaves, timeline=False)
+    with tracker:
+        sample_completions(policy, params, [[1 + i] * 16 for i in range(4)], num_generations=4,
+                           max_completion_length=48, stop_ids=[], pad_id=0)
+    (cache,) = caches
+    measured = cache.nbytes()
+    assert measured == cache_bytes(model_cfg, 16, 63, torch.bfloat16) > 0
+    assert gen.cache_bytes * 63 == measured * 64
+    assert measured < tracker.run.peak_bytes - weights <= gen.cache_bytes + gen.forward_bytes, (
+        tracker.run.peak_bytes - weights, gen.cache_bytes, gen.forward_bytes)
+
+
+def test_validate_memory_counts_the_rollout(base_dir):
+    """With 16 accumulated rows sampled at once the rollout's cache sets the peak: weights +
+    optimizer state + cache + forward, printed on a ``rollout:`` line; a shorter rollout leaves
+    the step's peak."""
+    cfg = _cfg(base_dir)
+    mesh = cfg.mesh(1)
+    est = planned_estimate(cfg, mesh, cfg.build_rules(mesh), model_config(cfg))
+    gen = est.rollout
+    assert gen.batch == 16 and (gen.prompt, gen.new_tokens) == (16, 48)
+    assert est.peak_bytes == (est.memory["weights"] + est.memory["optimizer state"] + gen.cast_bytes + gen.cache_bytes
+                              + gen.forward_bytes)
+    text = planned_memory(cfg, mesh, cfg.build_rules(mesh), model_config(cfg)).splitlines()
+    assert any(x.startswith("rollout:    key / value cache ") and "it sets the peak above" in x for x in text)
+    short = _cfg(base_dir, gradient_accumulation_steps=1, micro_batch_size=4, activation_checkpointing=False)
+    text = planned_memory(short, mesh, short.build_rules(mesh), model_config(short)).splitlines()
+    assert any(x.startswith("rollout:") and "the step peak above is higher" in x for x in text)
+
+
+def test_plan_refuses_a_device_the_rollout_does_not_fit(base_dir, monkeypatch):
+    """Between the step's reserved bytes and the rollout's, plan refuses the run (naming the
+    nearest layout); without the rollout counted it would fit."""
+    cfg = _cfg(base_dir)
+    with_rollout = min(e.reserved_bytes for e in rank_layouts(cfg, 1, "h100x8", space=ONE))
+    with monkeypatch.context() as m:
+        m.setattr(report, "add_rollout", lambda *a: None, raising=False)
+        step_only = min(e.reserved_bytes for e in rank_layouts(cfg, 1, "h100x8", space=ONE))
+    assert with_rollout > step_only
+    refused = rank_layouts(cfg, 1, "h100x8", space=ONE, memory_gib=(with_rollout + step_only) / 2 / 2 ** 30)
+    assert not refused.fitting() and explain(refused).startswith("NO LAYOUT FITS")
+
+
+def test_ebft_rollout_is_documents_by_samples_at_the_last_anchor(base_dir):
+    """EBFT samples each anchor's block in one call of the step's documents x samples rows; the
+    largest is at the last anchor (12 of a 16-token document: anchors 4, 8, 12)."""
+    ebft = {"mode": "strided", "stride": 4, "context_length": 4, "generate_max_len": 4, "n_samples_per_prompt": 2,
+            "feature_layers": [0.5, 1.0]}
+    cfg = TrainConfig.from_dict({**GRPO, "base_model": str(base_dir), "rl": "ebft", "ebft": ebft, "trl": None,
+                                 "sequence_len": 16, "gradient_accumulation_steps": 4,
+                                 "datasets": [{"path": "unused.jsonl", "type": "ebft_pretrain.transform"}]},
+                                name="ebft")
+    mesh = cfg.mesh(1)
+    est = planned_estimate(cfg, mesh, cfg.build_rules(mesh), model_config(cfg))
+    assert (est.rollout.batch, est.rollout.prompt, est.rollout.new_tokens) == (8, 12, 4)
+    assert est.rollout.cache_bytes == cache_bytes(model_config(cfg), 8, 16, torch.bfloat16)
+
+
+def _device_rollout_cache(full, decls, policy, rules) -> int:
+    """The bytes of the cache this device's real rollout holds (16 rows over dp, 16 + 48 tokens)."""
+    from functional_pp.core.runtime import current_context
+    from functional_pp.models import kv_cache, sampling
+    from functional_pp.parallel.shard_map import use_rules
+    caches = []
+
+    class Recorded(kv_cache.KVCache):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            caches.append(self)
+    sampling.KVCache = Recorded
+    try:
+        with use_rules(rules):
+            local = sharding.shard(full, decls, current_context().mesh, rules, fpp.current_rank())
+            sample_completions(policy, sharding.named_tree(local, decls), [[1 + i] * 16 for i in range(4)],
+                               num_generations=4, max_completion_length=48, stop_ids=[], pad_id=0, row_multiple=2)
+    finally:
+        sampling.KVCache = kv_cache.KVCache
+    (cache,) = caches
+    return cache.nbytes()
+
+
+def test_fsdp_rollout_cache_is_each_gloo_processs_measured_cache(base_dir):
+    """Under dp_shard=2 each device samples half the rows: the estimate's per-device cache is what
+    each of two real gloo processes' rollouts holds (one position fewer: eager)."""
+    cfg = _cfg(base_dir, dp_shard_size=2)
+    mesh, model_cfg = cfg.mesh(2), model_config(cfg)
+    rules = grpo_run._sampling_rules(cfg.build_rules(mesh))
+    gen = estimate_rollout(cfg, mesh, cfg.build_rules(mesh), model_cfg, 16, torch.bfloat16)
+    family = model_family(cfg)
+    _, decls, _, policy = grpo_run.grpo_objective_of(cfg, grpo_run.grpo_settings(cfg), family, model_cfg, None,
+                                                     family.param_decls(model_cfg, torch.bfloat16))
+    full = fpp.init_params(decls, seed=0)
+    measured = fpp.launch(lambda: _device_rollout_cache(full, decls, policy, rules), mesh, processes=True,
+                          timeout=120)
+    assert measured == [cache_bytes(model_cfg, 16, 63, torch.bfloat16, batch_split=2)] * 2
+    assert gen.cache_bytes * 63 == measured[0] * 64
+
+
+def test_rollout_counts_the_compute_copy_the_sampling_reads(base_dir):
+    """Under bf16 the sampling reads ``step.named_params``: the fp32 masters cast to bf16, a copy
+    held through the rollout beside them; the estimate's ``cast_bytes`` are that copy's, measured
+    on a real step's state (none under fp32)."""
+    from functional_pp import optim
+    from functional_pp.step.train import train_step
+    cfg = _cfg(base_dir)
+    mesh, model_cfg = fpp.Mesh(), model_config(cfg)
+    family = model_family(cfg)
+    loss, decls, trainable, _ = grpo_run.grpo_objective_of(cfg, grpo_run.grpo_settings(cfg), family, model_cfg, None,
+                                                           family.param_decls(model_cfg))
+
+    def copy_bytes():
+        step = train_step(loss, optim.adamw(1e-4), mesh=mesh, rules=fpp.Rules(), precision="bf16", trainable=trainable)
+        state = step.init(fpp.init(lambda: decls, mesh=mesh, rules=fpp.Rules(), seed=0))
+        masters = {x.data_ptr() for x in optree.tree_leaves(state["params"])}
+        return sum(x.data.numel() * x.data.element_size() for x in optree.tree_leaves(step.named_params(state["params"]))
+                   if x.data.data_ptr() not in masters)
+    (measured,) = fpp.launch(copy_bytes, mesh)
+    rules = cfg.build_rules(mesh)
+    assert estimate_rollout(cfg, mesh, rules, model_cfg, 16, torch.bfloat16).cast_bytes == measured > 0
+    assert estimate_rollout(cfg, mesh, rules, model_cfg, 16, torch.float32).cast_bytes == 0
