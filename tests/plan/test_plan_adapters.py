@@ -38,13 +38,6 @@ FSDP2 = Space(fsdp=(("dp_shard",),), sequence_parallel=(False,), regather_activa
               precision="bf16")
 
 
-@pytest.fixture(scope="module")
-def base_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("base")
-    transformers.LlamaConfig(**HF).save_pretrained(d)
-    return d
-
-
 def _cfg(base_dir, tmp_path, **kw) -> tuple[TrainConfig, object]:
     path = tmp_path / f"{kw.get('adapter', 'lora') or 'full'}.yaml"
     d = {**CONFIG, "base_model": str(base_dir), **kw}

@@ -29,13 +29,6 @@ FSDP2 = Space(fsdp=(("dp_shard",),), sequence_parallel=(False,), regather_activa
               precision="bf16")
 
 
-@pytest.fixture(scope="module")
-def base_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("base")
-    transformers.LlamaConfig(**HF).save_pretrained(d)
-    return d
-
-
 def _cfg(base_dir, **kw) -> TrainConfig:
     d = {**DPO, "base_model": str(base_dir), **kw}
     return TrainConfig.from_dict({k: v for k, v in d.items() if v is not None}, name="held")

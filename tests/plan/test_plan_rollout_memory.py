@@ -31,13 +31,6 @@ GRPO = dict(rl="grpo", sequence_len=64, micro_batch_size=1, gradient_accumulatio
 ONE = Space(max_axis={"tp": 1, "cp": 1}, precision="bf16", remat=(True,), keep_gathered=(False,), micro_batch_sizes=(1,))
 
 
-@pytest.fixture(scope="module")
-def base_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("base")
-    transformers.LlamaConfig(**HF).save_pretrained(d)
-    return d
-
-
 def _cfg(base_dir, **kw) -> TrainConfig:
     return TrainConfig.from_dict({**GRPO, "base_model": str(base_dir), **kw}, name="rollout")
 
