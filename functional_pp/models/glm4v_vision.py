@@ -161,12 +161,7 @@ def with_images(params: dict, x: Named, images: dict, v: Glm4vVisionConfig) -> N
     if taps != 16:
         raise ValueError(f"image inputs: the {v.tower} tower resamples its position table bicubically (16 taps per "
                          f"patch), the batch has {taps}: make it with qwen_image_batch(..., resample='bicubic')")
-    n = images["patches"].size("patch")
-    if n % (v.merge ** 2):
-        raise ValueError(f"image inputs: {n} patches per example is not a multiple of spatial_merge_size² = "
-                         f"{v.merge ** 2} (data/qwen_images.py pads them so)")
-    features = project(params["multi_modal_projector"], encode(params["vision_tower"], images, v), v)
-    return ops.masked_scatter(x, features.astype(x.data.dtype), images["image_slots"], "merged")
+    return qwen_vision.write_merged(params, x, images, v, encode, project)
 
 
 VISION_CONFIG = Glm4vVisionConfig

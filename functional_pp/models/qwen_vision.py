@@ -18,7 +18,9 @@ the same for the column, rotate-half), and a linear-GELU(tanh)-linear MLP; the m
 concatenates ``merge``² neighbours and maps them by linear-GELU-linear to the decoder's width."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -220,6 +222,13 @@ def with_images(params: dict, x: Named, images: dict, v: QwenVisionConfig) -> Na
     if missing:
         raise ValueError(f"image inputs: the {v.tower} tower needs {missing} too (data/qwen_images.py's "
                          f"qwen_image_batch makes them)")
+    return write_merged(params, x, images, v, encode, project)
+
+
+def write_merged(params: dict, x: Named, images: dict, v: Any, encode: Callable, project: Callable) -> Named:
+    """``x`` with the features of a tower that merges ``v.merge``² patches per token (``encode``
+    then ``project``: Qwen's, GLM-4V's) written at the image tokens; the patches per example
+    must be a multiple of the merge."""
     n = images["patches"].size("patch")
     if n % (v.merge ** 2):
         raise ValueError(f"image inputs: {n} patches per example is not a multiple of spatial_merge_size² = "
