@@ -14,6 +14,7 @@ from functional_pp.parallel.fsdp.regather import relayout
 from functional_pp.ops.shape import the_one_dim
 from functional_pp.ops.token_ids import check_ids
 from functional_pp.ops.xent.rows import nll_rows, nll_rows_wide
+from functional_pp.ops.xent.torch_like import loss_parallel_rows, torch_rows
 from functional_pp.parallel import collectives as C
 from functional_pp.parallel.named import NO_AXES, Named, make_named, require_named, settle
 
@@ -33,6 +34,23 @@ def logits_widened_whole() -> Iterator[None]:
         yield
     finally:
         _local.whole = previous
+
+
+@contextmanager
+def logits_as_torch_cross_entropy() -> Iterator[None]:
+    """Inside the block the loss runs as torchtitan's does, instead of the framework's one-pass
+    rows: over the whole vocabulary torch's ``F.cross_entropy`` of the fp32-widened logits
+    (its backward holds three logits-sized fp32 buffers at once, the framework's two), over a
+    split vocabulary DTensor's loss parallel (four at its backward's peak; ops/xent/torch_like.py).
+    What a dry-run of a program measured that way runs (functional_pp.plan.references); implies
+    :func:`logits_widened_whole`. The values and gradients are the framework's."""
+    previous = getattr(_local, "torch_loss", False)
+    _local.torch_loss = True
+    try:
+        with logits_widened_whole():
+            yield
+    finally:
+        _local.torch_loss = previous
 
 
 def cross_entropy(logits: Named, labels: Named, vocab: str | None = None,
@@ -93,7 +111,12 @@ def _nll_rows_named(op: str, logits: Named, labels: Named, vocab: str | None, ig
         # one pass over the logits in backward too (ops/xent/rows.py); an ignored row's index
         # is any index, its row masked by the weights
         lab = lab.clamp(0, x.shape[-1] - 1)
-        nll = nll_rows_wide(x, lab) if chunked else nll_rows(x, lab, torch.logsumexp(x.detach(), -1))
+        if getattr(_local, "torch_loss", False):
+            nll = torch_rows(x, lab)
+        elif chunked:
+            nll = nll_rows_wide(x, lab)
+        else:
+            nll = nll_rows(x, lab, torch.logsumexp(x.detach(), -1))
         if shortcut and not any(split_other) and not logits.vary and not labels.vary:
             # nothing split or varying: the same sums and division without named bookkeeping
             # the count as an integer (exact; the division converts it as a float count would)
@@ -115,6 +138,9 @@ def _split_nll_rows(logits: Named, x: torch.Tensor, lab: torch.Tensor, vocab: st
         lse = R.logsumexp(Named(x, other + (vocab,), split_other + (v_axes,), logits.vary), vocab)
     local = lab - C.axis_index(v_axes) * x.shape[-1]
     inside = (local >= 0) & (local < x.shape[-1])
+    if getattr(_local, "torch_loss", False):       # DTensor's loss parallel: -log p[label] or 0
+        share = loss_parallel_rows(x, torch.where(inside, local, 0), lse.data, inside)
+        return Named(share, other, split_other, logits.vary, v_axes)       # the shares' psum
     share = nll_rows(x, torch.where(inside, local, 0), lse.data, inside)     # -x[label] or 0
     return lse + Named(share, other, split_other, logits.vary, v_axes)      # the shares' psum
 

@@ -139,7 +139,7 @@ ATTENTION_LENGTH_FIT = 0.21
 #: the weight traffic overlaps compute; fixed: flash attention 0.35 of peak (FlashAttention-3
 #: paper: FlashAttention-2 reaches 35% on H100), unfused kernels 0.8 of memory bandwidth, the
 #: NIC at 90% of its line rate (docs/planning.md, "Calibration")
-H100_FIT = dict(compute_efficiency=0.56, attention_efficiency=0.35, memory_efficiency=0.8, compiled_traffic=0.60,
+H100_FIT = dict(compute_efficiency=0.56, attention_efficiency=0.35, memory_efficiency=0.8, compiled_traffic=0.59,
                 overlap=0.94, peak_fp8_flops=1979e12, float8_efficiency=FLOAT8_FIT, async_tp_overlap=ASYNC_TP_FIT,
                 attention_length=8192, attention_length_exponent=ATTENTION_LENGTH_FIT)
 
@@ -147,13 +147,13 @@ H100_FIT = dict(compute_efficiency=0.56, attention_efficiency=0.35, memory_effic
 #: only, so the rate is the compute's; plan/references.py): the fraction of the bf16 peak its
 #: matmuls reach. Against the Grand Teton fit's 0.56 it carries the 700 W clocks (torchtitan's
 #: hosts ran at 500 W) and Transformer Engine's kernels; the 7.1B-32B rows are held out
-MEGATRON_FIT = 0.69
+MEGATRON_FIT = 0.68
 
 #: fitted by plan.fit_cluster to MaxText's Llama 2 7B rows on 2 and 16 A3 VMs (plan/references.py; the
 #: 1-, 4- and 8-VM rows are held out): the fraction of the cross-VM gradient all-reduce that hides
 #: under compute over GPUDirect-TCPX, whose received packets land in GPU bounce buffers that
 #: NCCL's unpack kernels (src/device/network/unpack/) copy out on the GPU, beside the compute
-TCPX_OVERLAP_FIT = 0.26
+TCPX_OVERLAP_FIT = 0.28
 
 PRESETS = {
     # Grand Teton (torchtitan's published runs): H100 96 GB HBM2e 2.4 TB/s at 500 W, NVLink 4,

@@ -16,6 +16,7 @@ prediction is held to (5%, or the one achieved and why) and, where published, th
 memory the run reserved."""
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass, field, replace
 
@@ -24,7 +25,7 @@ import torch
 from functional_pp.core.layout import Rules
 from functional_pp.core.mesh import Mesh
 from functional_pp.models import llama
-from functional_pp.ops.loss import logits_widened_whole
+from functional_pp.ops.loss import logits_as_torch_cross_entropy, logits_widened_whole
 from functional_pp.plan.cluster import Cluster
 from functional_pp.plan.dryrun import LayoutEstimate, estimate
 from functional_pp.plan.timing import StepTime, cost
@@ -67,6 +68,9 @@ class Reference:
     memory_remat: bool | str | None = None   # the dry-run's remat for the memory (None: ``remat``)
     memory_tolerance: float = 0.10
     memory_why: str = ""
+    # the loss the run computed over a whole vocabulary: "torch" (``F.cross_entropy`` of the
+    # fp32 logits, torchtitan's) or "framework" (``ops.cross_entropy``'s one-pass rows)
+    loss: str = "framework"
 
     @property
     def devices(self) -> int:
@@ -81,41 +85,39 @@ class Reference:
                 "distributed_optimizer": self.distributed_optimizer, "fused_recompute": self.fused_recompute}
 
 
-#: why the 8B rows' memory is under: dry-run with torchtitan's op-level policy (remat="selective_alternate")
+#: how the 8B rows' memory is dry-run
 SELECTIVE_MEMORY = ("dry-run with torchtitan's own policy (remat='selective_alternate': q, v, w1, w2 and attention "
-                    "kept, k, o, w3 recomputed), the program holds 60.3 and 48.0 GiB allocated at its peak where "
-                    "torchtitan reserved 82.4 and 67.0; the allocator model's cached blocks and FSDP2's stream "
-                    "pools explain 9 of the 22 and 19 GiB, the other 13 and 10 GiB (the same on 8 and 128 GPUs: "
-                    "per device activations or temporaries, not state) are not found (docs/planning.md, "
-                    "\"Reserved memory\")")
+                    "kept, k, o, w3 recomputed) and its loss (F.cross_entropy of the fp32 logits: three logits-sized "
+                    "fp32 buffers at its backward's peak), the allocator's cached blocks and FSDP2's stream pools "
+                    "(docs/planning.md, \"Reserved memory\")")
 #: and what the compiled rows add to it
 COMPILED_MEMORY = (SELECTIVE_MEMORY + "; the compiled layers' saved tensors are modelled (the partitioner drops the "
                    "last matmul's result the policy keeps: 4.0 GiB of torchtitan's measured 5.4 and 5.0 GiB less "
-                   "than eager)")
+                   "than eager); the loss is not compiled (torchtitan's at 9dec370)")
 
 
 def _table(name: str, tps: float, mesh, compiled: bool, table: str, float8: bool = False,
-           memory: float | None = None, memory_tolerance: float = 0.10) -> Reference:
+           memory: float | None = None) -> Reference:
     return Reference(name, "llama3_8b", mesh, 2, 8192, tps, f"{TORCHTITAN_2024}, {table}", compiled=compiled,
-                     selective_ac="op", float8=float8,
-                     notes=f"FSDP, {'Float8' if float8 else 'bf16 (no Float8)'}, selective op-level AC",
-                     memory_gib=memory, memory_remat="selective_alternate", memory_tolerance=memory_tolerance,
-                     memory_why=COMPILED_MEMORY if compiled else SELECTIVE_MEMORY)
+                     loss="torch", selective_ac="op", float8=float8,
+                     memory_gib=memory, memory_remat="selective_alternate",
+                     notes=f"FSDP, {'Float8' if float8 else 'bf16 (no Float8)'}, selective op-level AC; memory "
+                           + (COMPILED_MEMORY if compiled else SELECTIVE_MEMORY))
 
 
 #: the bf16 rows the presets are fitted to (all rows: within 5%, tests/plan/test_plan_held_out.py)
 LLAMA3_8B = (
-    _table("8B FSDP 8, eager", 5762, (("dp_shard", 8),), False, "Table 1", memory=82.4, memory_tolerance=0.16),
-    _table("8B FSDP 8, compiled", 6667, (("dp_shard", 8),), True, "Table 1", memory=77.0, memory_tolerance=0.16),
-    _table("8B FSDP 128, eager", 5605, (("dp_shard", 128),), False, "Table 3", memory=67.0, memory_tolerance=0.15),
-    _table("8B FSDP 128, compiled", 6514, (("dp_shard", 128),), True, "Table 3", memory=62.0,
-           memory_tolerance=0.15),
+    _table("8B FSDP 8, eager", 5762, (("dp_shard", 8),), False, "Table 1", memory=82.4),
+    _table("8B FSDP 8, compiled", 6667, (("dp_shard", 8),), True, "Table 1", memory=77.0),
+    _table("8B FSDP 128, eager", 5605, (("dp_shard", 128),), False, "Table 3", memory=67.0),
+    _table("8B FSDP 128, compiled", 6514, (("dp_shard", 128),), True, "Table 3", memory=62.0),
 )
 
 
 def _405b(name: str, tps: float, schedule: str, virtual: int, memory: float, **kw) -> Reference:
     return Reference(name, "llama3_405b", (("pp", 8), ("dp_shard", 8), ("tp", 8)), 32, 8192, tps,
-                     f"{TORCHTITAN_2024}, Table 5", compiled=True, remat=True, schedule=schedule, micro_batches=8,
+                     f"{TORCHTITAN_2024}, Table 5", compiled=True, loss="torch", remat=True, schedule=schedule,
+                     micro_batches=8,
                      virtual_stages=virtual, float8=True, async_tp=True, split="held_out", memory_gib=memory, **kw,
                      notes="compile + Float8 + async TP, full AC, "
                            "8 micro-batches (torchtitan's default: as many as stages), interleaved with 2 "
@@ -130,7 +132,7 @@ LLAMA3_405B = (
 
 def _70b(name: str, tps: float, async_tp: bool, memory: float, **kw) -> Reference:
     return Reference(name, "llama3_70b", (("dp_shard", 32), ("tp", 8)), 16, 8192, tps, f"{TORCHTITAN_2024}, Table 4",
-                     compiled=True, remat=True, float8=True, async_tp=async_tp, memory_gib=memory, **kw,
+                     loss="torch", compiled=True, remat=True, float8=True, async_tp=async_tp, memory_gib=memory, **kw,
                      notes="compile + Float8, full AC" + (" + async TP" if async_tp else "")
                            + "; sequence length not stated in the table: 8192 assumed (the other tables')")
 
@@ -138,10 +140,7 @@ def _70b(name: str, tps: float, async_tp: bool, memory: float, **kw) -> Referenc
 #: torchtitan's 70B rows on 256 H100 (FSDP 32 x TP 8): without and with async TP; the
 #: presets' ``async_tp_overlap`` is fitted to their ratio
 LLAMA3_70B = (
-    _70b("70B FSDP 32 x TP 8", 829, False, 71.9, memory_tolerance=0.12,
-         memory_why="8.3 GiB under, not in FSDP2's buffers (its streams' pools add 0.7 GiB); not modelled: "
-                    "Float8's casts and amax buffers, async TP's buffers; the async-TP row, 4.3 GiB less, is "
-                    "within 10% (docs/planning.md, \"Reserved memory\")"),
+    _70b("70B FSDP 32 x TP 8", 829, False, 71.9),
     _70b("70B FSDP 32 x TP 8, async TP", 876, True, 67.6),
 )
 
@@ -155,7 +154,7 @@ def _cp(cp: int, tps: float, split: str, tolerance: float = 0.05) -> Reference:
     seq = 32768 * cp
     return Reference(f"8B FSDP {8 // cp} x CP {cp}, seq {seq:,}", "llama3_8b",
                      (("dp_shard", 8 // cp),) + ((("cp", cp),) if cp > 1 else ()), 1, seq, tps,
-                     f"{TORCHTITAN_2024}, Table 2", compiled=True, remat=True, float8=True, split=split,
+                     f"{TORCHTITAN_2024}, Table 2", compiled=True, loss="torch", remat=True, float8=True, split=split,
                      tolerance=tolerance, why="" if tolerance == 0.05 else
                      "the attention-length law (Cluster.attention_length_exponent) is fitted to the 32k and 131k "
                      "rows; Table 2's 65k row is faster, and its 262k row slower, than one power of the key length "
@@ -180,17 +179,28 @@ WHITEFIBER_2025 = ("torchtitan's llama3-8b_h200_202506_trainy-whitefiber.md (its
                    "compile, Float8 with Float8 FSDP all-gathers, TPS and memory at the 100th step")
 
 
-def _whitefiber(nodes: int, tps: float, memory: float, tolerance: float) -> Reference:
+#: why the 64-GPU H200 row's memory is 10.8% under
+WHITEFIBER_MEMORY = ("held out: 5.1 GiB under at 64 GPUs (4.4 at 32); not modelled: Float8's buffers (the fp8 casts "
+                     "of the weights and activations, the amax history), and whether the run set expandable_segments")
+
+
+def _whitefiber(nodes: int, tps: float, memory: float, tolerance: float, memory_tolerance: float = 0.10,
+                memory_why: str = "") -> Reference:
     return Reference(f"8B FSDP {8 * nodes} on H200, compiled + Float8", "llama3_8b", (("dp_shard", 8 * nodes),), 2,
-                     8192, tps, WHITEFIBER_2025, compiled=True, selective_ac="op", float8=True, split="held_out",
-                     cluster="h200x8", tolerance=tolerance,
+                     8192, tps, WHITEFIBER_2025, compiled=True, loss="fused", selective_ac="op", float8=True,
+                     split="held_out", cluster="h200x8", tolerance=tolerance,
                      why="a later torch and torchtitan (June 2025) than the December 2024 runs the presets are "
                          "fitted to: Float8 FSDP all-gathers and faster kernels, which the preset does not know",
-                     notes=f"{nodes} hosts of 8 H200; FSDP over all; memory {memory} GiB reserved (Float8: not compared)")
+                     memory_gib=memory, memory_remat="selective_alternate", memory_tolerance=memory_tolerance,
+                     memory_why=memory_why,
+                     notes=f"{nodes} hosts of 8 H200; FSDP over all; the loss compiled on its own (torchtitan "
+                           f"compiles it with the model since early 2025); memory dry-run with torchtitan's op-level "
+                           f"policy, Float8's buffers not modelled")
 
 
 #: torchtitan's 8B rows on 32 and 64 H200 (June 2025): out of sample (hardware and software)
-LLAMA3_8B_H200 = (_whitefiber(4, 10938, 47.96, 0.06), _whitefiber(8, 10753, 46.97, 0.05))
+LLAMA3_8B_H200 = (_whitefiber(4, 10938, 47.96, 0.06),
+                  _whitefiber(8, 10753, 46.97, 0.05, memory_tolerance=0.11, memory_why=WHITEFIBER_MEMORY))
 
 GPU_H200 = ("this project's benchmarks/gpu.py on one H200 (torch 2.11.0+cu130, 2026-12-04; docs/gpu.md): the "
             "functional step eager, bf16 with fp32 masters, AdamW; the tokens/s of the timed steps as issue 44 "
@@ -369,6 +379,21 @@ def rules_for(ref: Reference) -> Rules:
 _cache: dict = {}
 
 
+def _loss_context(loss: str):
+    """How the dry-run computes ``loss`` (``Reference.loss``): "framework", the 16-bit logits
+    widened whole (as this project's compiled step and its first GPU run did); "torch", torch's
+    ``F.cross_entropy`` of the widened logits (DTensor's loss parallel when the vocabulary is
+    split); "fused", the loss compiled on its own (inductor keeps the 16-bit logits and each
+    row's log-sum-exp and writes the 16-bit gradient: what the framework's eager row chunks hold)."""
+    if loss == "torch":
+        return logits_as_torch_cross_entropy()
+    if loss == "fused":
+        return contextlib.nullcontext()
+    if loss == "framework":
+        return logits_widened_whole()
+    raise ValueError(f"Reference.loss: {loss!r} is not one of 'framework', 'torch', 'fused'")
+
+
 def reference_estimate(ref: Reference, compiled_layers: bool = False,
                        expandable_segments: bool = False) -> LayoutEstimate:
     """The dry-run of ``ref``'s setup (cached: the rows share meshes); ``compiled_layers``: its
@@ -377,13 +402,14 @@ def reference_estimate(ref: Reference, compiled_layers: bool = False,
     (torchtitan's), with no effect on the others. ``expandable_segments``: the allocator's setting
     (torchtitan's launcher sets it; the published rows do not say: off, CUDA's default)."""
     key = (repr(ref.model), ref.mesh, ref.local_batch, ref.seq, ref.remat, ref.schedule, ref.virtual_stages,
-           compiled_layers, expandable_segments)
+           compiled_layers, expandable_segments, ref.loss)
     if key not in _cache:
         cfg = ref.model if isinstance(ref.model, llama.Config) else CONFIGS[ref.model]()
         mesh = Mesh(**dict(ref.mesh)) if ref.mesh else Mesh()
         dp = mesh.shape.get("dp_replicate", 1) * mesh.shape.get("dp_shard", 1)
         batch = {k: ((ref.local_batch * dp, ref.seq), "batch seq") for k in ("tokens", "labels")}
-        with logits_widened_whole():     # (every row's program widened its logits whole)
+        # every row's program widened its logits whole; torchtitan's ran torch's cross-entropy
+        with _loss_context(ref.loss):
             _cache[key] = estimate(functools.partial(llama.loss, cfg=cfg), llama.init(cfg, torch.bfloat16), mesh,
                                    rules_for(ref), batch, precision="bf16", remat=ref.remat, timeline=False,
                                    grad_accum=ref.micro_batches, schedule=ref.schedule or "1f1b",

@@ -123,18 +123,18 @@ def test_reserved_memory_is_the_peak_and_the_allocators_overhead():
 
 
 def test_the_70b_rows_overhead_is_fragmentation_that_expandable_segments_avoid():
-    """docs/planning.md, "Reserved memory": of the sync 70B row's overhead, FSDP2's stream pools
-    are under 1 GiB; the rest is freed 4 GiB blocks (this framework's fp32 sequence-parallel
-    sums) that the loss's 7.8 GiB requests cannot use. Under expandable segments (torchtitan's
-    launcher's setting) it falls under 2 GiB and the row is over 20% under: the agreement within
-    12% leans on fragmentation torchtitan's run would not have."""
+    """docs/planning.md, "Reserved memory": of the sync 70B row's overhead (13.8 GiB), FSDP2's
+    stream pools are under 1 GiB; the rest is freed blocks (this framework's fp32
+    sequence-parallel sums, 4 GiB each) that the loss's 7.8 GiB requests cannot use. Under
+    expandable segments (torchtitan's launcher's setting) it falls to 5.4 GiB and the row is
+    over 10% under: the agreement within 1% leans on fragmentation torchtitan's run may not have."""
     (row,) = [r for r in references.LLAMA3_70B if not r.async_tp]
     est = references.memory_estimate(row)
     pools = sum(v for k, v in est.runs[-1].reserved_by_stream.items() if k != "compute")
-    assert pools < 2 ** 30 and est.reserved_overhead > 8 * 2 ** 30
+    assert pools < 2 ** 30 and est.reserved_overhead > 12 * 2 ** 30
     grown = references.reference_estimate(row, row.compiled, expandable_segments=True)
-    assert grown.peak_bytes == est.peak_bytes and grown.reserved_overhead < 2 * 2 ** 30
-    assert grown.reserved_bytes / 2 ** 30 / row.memory_gib - 1 < -0.20
+    assert grown.peak_bytes == est.peak_bytes and grown.reserved_overhead < est.reserved_overhead / 2
+    assert grown.reserved_bytes / 2 ** 30 / row.memory_gib - 1 < -0.10
 
 
 def test_benchmarks_gpu_results_become_held_out_rows():
