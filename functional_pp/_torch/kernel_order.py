@@ -72,7 +72,8 @@ def loop_reordering_reliable(version: str = torch.__version__) -> bool:
 
 def inductor_patches(version: str = torch.__version__) -> dict:
     """inductor config for a compiled training step (torch._inductor.config names)."""
-    patches = {"reorder_for_locality": False, "_post_fusion_custom_pass": restore_graph_order}
+    patches = {"reorder_for_locality": False, "_post_fusion_custom_pass": restore_graph_order,
+               "reorder_for_peak_memory": False}
     if not loop_reordering_reliable(version):
         patches["loop_ordering_after_fusion"] = False
     return patches
