@@ -85,3 +85,16 @@ def test_bad_sizes_are_refused():
     with pytest.raises(ValueError, match="new_tokens must be >= 1"):
         estimate_generation(FORWARD, llama.init(CFG, torch.float32), fpp.Mesh(), fpp.Rules(), batch=1, prompt=4,
                             new_tokens=0)
+
+
+def test_bf16_estimate_equals_the_measured_forwards():
+    """In bf16 the meta forwards hold what real ones hold (to 1 KiB): the cache's attention (a
+    mask over the cached keys) runs flash-like on meta as on the CPU, its boolean mask made the
+    additive one, not the math kernel's fp32 scores and widened q, k, v (2.9x the real
+    temporaries of the rollout test's model before)."""
+    decls = llama.init(CFG, torch.bfloat16)
+    params = sharding.named_tree(fpp.init_params(decls, seed=0), decls)
+    est = estimate_generation(FORWARD, decls, fpp.Mesh(), fpp.Rules(), batch=BATCH, prompt=PROMPT, new_tokens=NEW)
+    forwards, held, _ = _measured(params)
+    assert est.cache_bytes == held == cache_bytes(CFG, BATCH, PROMPT + NEW, torch.bfloat16)
+    assert abs(est.peak_bytes - forwards) <= 1024, (est.peak_bytes, forwards)
