@@ -98,7 +98,7 @@ def estimate_rollout(cfg: TrainConfig, mesh: Any, rules: Any, model_cfg: Any, gl
         _, decls, trainable, policy, _ = ebft_run.ebft_objective_of(cfg, ebft_run.ebft_settings(cfg), family,
                                                                     model_cfg, cfg.lora_config(), base)
     gen = estimate_generation(policy, decls, mesh, grpo_run._sampling_rules(rules), batch=shape.rows,
-                              prompt=shape.prompt, new_tokens=shape.new_tokens)
+                              prompt=shape.prompt, new_tokens=shape.new_tokens, compiled=False)
     return RolloutEstimate(gen, _cast_bytes(decls, trainable, mesh, rules, dtype))
 
 

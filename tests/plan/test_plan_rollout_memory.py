@@ -38,8 +38,10 @@ def _cfg(base_dir, **kw) -> TrainConfig:
 def test_rollout_estimate_holds_a_measured_rollouts_cache(base_dir, monkeypatch):
     """A real rollout of the config's 4 prompts x 4 generations (16 rows, 16 prompt + 48 new
     tokens, bf16) holds a cache of 16 x 63 positions (an eager ``generate`` stores every position
-    but the last sampled); the estimate's is the static cache of 64, and a real rollout's peak
-    above its weights lies under the estimate's cache + one forward."""
+    but the last sampled), the estimate's (the eager model's: a static cache of 64 positions and
+    its forwards were 33% high); the real peak above the weights lies within 20% under the
+    estimate's cache + forward, or over it by at most the host's two float32 rows x vocab
+    sampling tensors (``logits.float().cpu()`` and the probabilities: on a GPU not the device's)."""
     from functional_pp.models import kv_cache, sampling
     caches = []
 
@@ -64,9 +66,9 @@ def test_rollout_estimate_holds_a_measured_rollouts_cache(base_dir, monkeypatch)
     (cache,) = caches
     measured = cache.nbytes()
     assert measured == cache_bytes(model_cfg, 16, 63, torch.bfloat16) > 0
-    assert gen.cache_bytes * 63 == measured * 64
-    assert measured < tracker.run.peak_bytes - weights <= gen.cache_bytes + gen.forward_bytes, (
-        tracker.run.peak_bytes - weights, gen.cache_bytes, gen.forward_bytes)
+    assert gen.cache_bytes == measured
+    real, est = tracker.run.peak_bytes - weights, gen.cache_bytes + gen.forward_bytes
+    assert real - 2 * 16 * HF["vocab_size"] * 4 - 64 <= est <= 1.2 * real, (real, est)
 
 
 def test_validate_memory_counts_the_rollout(base_dir):
@@ -140,7 +142,7 @@ def _device_rollout_cache(full, decls, policy, rules) -> int:
 
 def test_fsdp_rollout_cache_is_each_gloo_processs_measured_cache(base_dir):
     """Under dp_shard=2 each device samples half the rows: the estimate's per-device cache is what
-    each of two real gloo processes' rollouts holds (one position fewer: eager)."""
+    each of two real gloo processes' (eager) rollouts holds."""
     cfg = _cfg(base_dir, dp_shard_size=2)
     mesh, model_cfg = cfg.mesh(2), model_config(cfg)
     rules = grpo_run._sampling_rules(cfg.build_rules(mesh))
@@ -151,8 +153,7 @@ def test_fsdp_rollout_cache_is_each_gloo_processs_measured_cache(base_dir):
     full = fpp.init_params(decls, seed=0)
     measured = fpp.launch(lambda: _device_rollout_cache(full, decls, policy, rules), mesh, processes=True,
                           timeout=120)
-    assert measured == [cache_bytes(model_cfg, 16, 63, torch.bfloat16, batch_split=2)] * 2
-    assert gen.cache_bytes * 63 == measured[0] * 64
+    assert measured == [cache_bytes(model_cfg, 16, 63, torch.bfloat16, batch_split=2)] * 2 == [gen.cache_bytes] * 2
 
 
 def test_rollout_counts_the_compute_copy_the_sampling_reads(base_dir):
