@@ -104,19 +104,95 @@ def test_plan_refuses_a_device_the_rollout_does_not_fit(base_dir, monkeypatch):
     assert not refused.fitting() and explain(refused).startswith("NO LAYOUT FITS")
 
 
+EBFT = {"mode": "strided", "stride": 4, "context_length": 4, "generate_max_len": 4, "n_samples_per_prompt": 2,
+        "feature_layers": [0.5, 1.0]}
+
+
+def _ebft_cfg(base_dir, documents: int) -> TrainConfig:
+    return TrainConfig.from_dict({**GRPO, "base_model": str(base_dir), "rl": "ebft", "ebft": EBFT, "trl": None,
+                                  "sequence_len": 16, "gradient_accumulation_steps": documents,
+                                  "datasets": [{"path": "unused.jsonl", "type": "ebft_pretrain.transform"}]},
+                                 name="ebft")
+
+
 def test_ebft_rollout_is_documents_by_samples_at_the_last_anchor(base_dir):
     """EBFT samples each anchor's block in one call of the step's documents x samples rows; the
     largest is at the last anchor (12 of a 16-token document: anchors 4, 8, 12)."""
-    ebft = {"mode": "strided", "stride": 4, "context_length": 4, "generate_max_len": 4, "n_samples_per_prompt": 2,
-            "feature_layers": [0.5, 1.0]}
-    cfg = TrainConfig.from_dict({**GRPO, "base_model": str(base_dir), "rl": "ebft", "ebft": ebft, "trl": None,
-                                 "sequence_len": 16, "gradient_accumulation_steps": 4,
-                                 "datasets": [{"path": "unused.jsonl", "type": "ebft_pretrain.transform"}]},
-                                name="ebft")
+    cfg = _ebft_cfg(base_dir, 4)
     mesh = cfg.mesh(1)
     est = planned_estimate(cfg, mesh, cfg.build_rules(mesh), model_config(cfg))
     assert (est.rollout.batch, est.rollout.prompt, est.rollout.new_tokens) == (8, 12, 4)
     assert est.rollout.cache_bytes == cache_bytes(model_config(cfg), 8, 15, torch.bfloat16)    # (eager: 12 + 4 - 1)
+
+
+def _measured_pass(decls, run) -> int:
+    """The peak above the weights of ``run(params)`` on real weights of ``decls``, measured."""
+    params = sharding.named_tree(fpp.init_params(decls, seed=0), decls)
+    leaves = [x.data for x in optree.tree_leaves(params)]
+    weights = sum(t.numel() * t.element_size() for t in leaves)
+    tracker = MemoryTracker({"weights": weights}, leaves, timeline=False)
+    with tracker:
+        run(params)
+    return tracker.run.peak_bytes - weights
+
+
+def test_grpo_old_logps_forward_is_a_measured_one(base_dir):
+    """With num_iterations 2 the rollout's scoring forward is GRPO's old_logps pass over the 16
+    rows x 64 positions: the estimate's (the sampler's own code on meta tensors) is a real pass's
+    measured peak above the weights but for the labels' local copy, made later in the real one
+    (16 x 64 int64); without it (num_iterations 1) there is none."""
+    cfg = _cfg(base_dir, trl={**GRPO["trl"], "num_iterations": 2})
+    mesh, model_cfg = fpp.Mesh(), model_config(cfg)
+    gen = estimate_rollout(cfg, mesh, cfg.build_rules(mesh), model_cfg, 16, torch.bfloat16)
+    assert gen.shape.scored == (16, 64) and gen.shape.scoring == "old_logps forward"
+    family = model_family(cfg)
+    _, decls, _, policy = grpo_run.grpo_objective_of(cfg, grpo_run.grpo_settings(cfg), family, model_cfg, None,
+                                                     family.param_decls(model_cfg, torch.bfloat16))
+    g = torch.Generator().manual_seed(0)
+    whole = {k: torch.randint(1, HF["vocab_size"], (16, 64), generator=g) for k in ("tokens", "labels")}
+    sampler = grpo_run.GRPOSampler(grpo_run.grpo_settings(cfg), policy, None, [], 64, 0, [], 0)
+    real = _measured_pass(decls, lambda params: sampler._logps(params, whole))
+    assert real <= gen.scoring_bytes <= real + 16 * 64 * 8, (real, gen.scoring_bytes)
+    assert gen.scoring_bytes > gen.sampling_bytes and gen.added_bytes == gen.cast_bytes + gen.scoring_bytes
+    assert estimate_rollout(_cfg(base_dir), mesh, cfg.build_rules(mesh), model_cfg, 16, torch.bfloat16).scoring is None
+
+
+def test_ebft_feature_forward_is_a_measured_one(base_dir):
+    """EBFT's scoring forward is the feature model over the step's 4 block-parallel rows (46
+    positions: a 16-token document and 3 blocks x 2 samples x 5): the estimate is a real pass's
+    (``EBFTSampler._states``) measured peak above the weights, to 1 KiB."""
+    from functional_pp.app import ebft_run
+    from functional_pp.preference.ebft_layout import block_parallel_row
+    cfg = _ebft_cfg(base_dir, 4)
+    mesh, model_cfg = fpp.Mesh(), model_config(cfg)
+    gen = estimate_rollout(cfg, mesh, cfg.build_rules(mesh), model_cfg, 4, torch.bfloat16)
+    assert gen.shape.scored == (4, 46) and gen.shape.scoring == "feature-model forward"
+    spec, family = ebft_run.ebft_settings(cfg), model_family(cfg)
+    _, decls, _, policy, features = ebft_run.ebft_objective_of(cfg, spec, family, model_cfg, None,
+                                                               family.param_decls(model_cfg, torch.bfloat16))
+    g = torch.Generator().manual_seed(0)
+    rows = [block_parallel_row(torch.randint(1, 128, (16,), generator=g).tolist(), [4, 8, 12],
+                               torch.randint(1, 128, (3, 2, 4), generator=g), 46, 0) for _ in range(4)]
+    rows = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+    sampler = ebft_run.EBFTSampler(spec, policy, features, 0, 0)
+    real = _measured_pass(decls, lambda params: sampler._states(params, 1, rows))
+    assert abs(gen.scoring_bytes - real) <= 1024, (real, gen.scoring_bytes)
+
+
+def test_validate_memory_counts_the_scoring_forward(base_dir):
+    """16 EBFT documents scored in one feature-model pass (one step trains them one by one) hold
+    more than the sampling and the step: the peak is the held state + the compute copy + that
+    forward, printed on the rollout line."""
+    cfg = _ebft_cfg(base_dir, 16)
+    mesh = cfg.mesh(1)
+    est = planned_estimate(cfg, mesh, cfg.build_rules(mesh), model_config(cfg))
+    gen = est.rollout
+    assert gen.scoring_bytes > gen.sampling_bytes
+    assert est.memory["scoring forward"] == gen.scoring_bytes and "key / value cache" not in est.memory
+    assert est.peak_bytes == (est.memory["weights"] + est.memory["optimizer state"] + gen.cast_bytes
+                              + gen.scoring_bytes)
+    text = planned_memory(cfg, mesh, cfg.build_rules(mesh), model_config(cfg))
+    assert "then its feature-model forward" in text and "it sets the peak above" in text
 
 
 def _device_rollout_cache(full, decls, policy, rules) -> int:
