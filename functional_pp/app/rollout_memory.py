@@ -43,11 +43,14 @@ class RolloutEstimate:
     of its largest generate call), ``cast_bytes``, the compute-dtype copy of the trained weights'
     shards that the sampling reads while the fp32 masters stay (0 under fp32), and ``scoring``
     (a :class:`~functional_pp.plan.generation.ForwardEstimate` of the scoring forward after the
-    sampling, ``shape.scoring`` says which; None: none)."""
+    sampling, ``shape.scoring`` says which; None: none); ``gathered_bytes``: under a pipeline the
+    whole model gathered over ``pp`` on every stage (``logical_params``: each stage-held
+    parameter's copy in its master dtype, beside the stage's own), which the sampling reads."""
     generation: Any
     cast_bytes: int
     scoring: Any = None
     shape: RolloutShape | None = None
+    gathered_bytes: int = 0
 
     @property
     def batch(self) -> int:
@@ -83,13 +86,14 @@ class RolloutEstimate:
     def added_bytes(self) -> int:
         """What the rollout holds beyond the step's held state: the copy and the larger of the
         sampling's and the scoring forward's."""
-        return self.cast_bytes + max(self.sampling_bytes, self.scoring_bytes)
+        return self.gathered_bytes + self.cast_bytes + max(self.sampling_bytes, self.scoring_bytes)
 
     def split(self) -> dict[str, int]:
         """:attr:`added_bytes` by category (:data:`SAMPLING` or :data:`SCORING`)."""
+        gathered = {"gathered model": self.gathered_bytes} if self.gathered_bytes else {}
         if self.scoring_bytes > self.sampling_bytes:
-            return dict(zip(SCORING, (self.cast_bytes, self.scoring_bytes)))
-        return dict(zip(SAMPLING, (self.cast_bytes, self.cache_bytes, self.forward_bytes)))
+            return {**gathered, **dict(zip(SCORING, (self.cast_bytes, self.scoring_bytes)))}
+        return {**gathered, **dict(zip(SAMPLING, (self.cast_bytes, self.cache_bytes, self.forward_bytes)))}
 
 
 def rollout_shape(cfg: TrainConfig, global_batch: int) -> RolloutShape | None:
@@ -146,7 +150,32 @@ def estimate_rollout(cfg: TrainConfig, mesh: Any, rules: Any, model_cfg: Any, gl
     scored = None
     if shape.scored is not None:
         scored = estimate_forward(scoring, decls, mesh, sampling, {c: (shape.scored, "batch seq") for c in columns})
-    return RolloutEstimate(gen, _cast_bytes(decls, trainable, mesh, rules, dtype), scored, shape)
+    return RolloutEstimate(gen, _cast_bytes(decls, trainable, mesh, rules, dtype), scored, shape,
+                           _gathered_bytes(decls, trainable, mesh, rules, family, model_cfg))
+
+
+def _gathered_bytes(decls: Any, trainable: Any, mesh: Any, rules: Any, family: Any, model_cfg: Any) -> int:
+    """Under a pipeline (pp > 1): this device's bytes of the whole model gathered over ``pp`` for
+    the sampling (``TrainStep.logical_params``: every parameter one stage holds, its shard as the
+    rules lay it out, in its master dtype: float32 when trained, its own when frozen); 0 without."""
+    import torch
+
+    from functional_pp.app.pipeline_parts import pipeline_parts
+    from functional_pp.app.preference_run import REFERENCE
+    from functional_pp.core.layout import local_shape
+    from functional_pp.core.tree import leaves_with_paths
+    from functional_pp.step.pipeline import held_by_one_stage
+    if mesh.shape.get("pp", 1) < 2:
+        return 0
+    layers, first, last = pipeline_parts(family, model_cfg, (REFERENCE,) if REFERENCE in decls else ())
+    flags = dict(leaves_with_paths(trainable(decls))) if trainable is not None else {}
+    total = 0
+    for p, d in leaves_with_paths(decls):
+        if held_by_one_stage(p, layers, first, last):
+            trained = flags.get(p, True) and d.dtype.is_floating_point
+            item = torch.float32.itemsize if trained else d.dtype.itemsize
+            total += torch.Size(local_shape(d.shape, rules.resolve(d.dims, d.shape, mesh, name=p), mesh)).numel() * item
+    return total
 
 
 def _cast_bytes(decls: Any, trainable: Any, mesh: Any, rules: Any, dtype: Any) -> int:
@@ -171,7 +200,8 @@ def hold_rollout(est: Any, gen: RolloutEstimate) -> None:
     larger."""
     held = sum(est.memory.get(c, 0) for c in HELD)
     rollout = held + gen.added_bytes
-    est.notes.append(f"rollout: compute copy {gen.cast_bytes} B + key / value cache {gen.cache_bytes} B + forward "
+    est.notes.append(f"rollout: {f'gathered model {gen.gathered_bytes} B + ' if gen.gathered_bytes else ''}"
+                     f"compute copy {gen.cast_bytes} B + key / value cache {gen.cache_bytes} B + forward "
                      f"{gen.forward_bytes} B over the held state ({gen.batch} rows x ({gen.prompt} + "
                      f"{gen.new_tokens}) positions)" + (f"; then its {gen.shape.scoring} {gen.scoring_bytes} B"
                                                         if gen.scoring is not None else ""))

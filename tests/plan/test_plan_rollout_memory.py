@@ -256,3 +256,66 @@ def test_rollout_counts_the_compute_copy_the_sampling_reads(base_dir):
     rules = cfg.build_rules(mesh)
     assert estimate_rollout(cfg, mesh, rules, model_cfg, 16, torch.bfloat16).cast_bytes == measured > 0
     assert estimate_rollout(cfg, mesh, rules, model_cfg, 16, torch.float32).cast_bytes == 0
+
+
+def _pipelined_rollout(decls, trainable, loss, policy, rules, family, model_cfg) -> tuple[int, int, int]:
+    """On a pp stage: ``(the bytes of the whole model logical_params gathers beside the stage's
+    own, the real rollout's cache, its measured peak above the stage's parameters)`` (16 rows,
+    16 + 48 tokens), sampled as the loop samples under a pipeline."""
+    from functional_pp import optim
+    from functional_pp.app.pipeline_parts import pipeline_parts
+    from functional_pp.core.runtime import current_context
+    from functional_pp.models import kv_cache, sampling
+    from functional_pp.parallel.shard_map import use_rules
+    from functional_pp.step.pipeline import pipeline_step
+    layers, first, last = pipeline_parts(family, model_cfg)
+    step = pipeline_step(loss, optim.adamw(1e-4), mesh=current_context().mesh, rules=rules, precision="bf16",
+                         trainable=trainable, grad_accum=2, layers=layers, first_stage=first, last_stage=last)
+    state = step.init(fpp.init(lambda: decls, mesh=current_context().mesh, rules=rules, seed=0))
+    own = [getattr(x, "data", x) for x in optree.tree_leaves(state["params"])]
+    held = sum(t.numel() * t.element_size() for t in own)
+    caches = []
+
+    class Recorded(kv_cache.KVCache):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            caches.append(self)
+    sampling.KVCache = Recorded
+    try:
+        tracker = MemoryTracker({"weights": held}, own, timeline=False)
+        with tracker:
+            whole = step.logical_params(state["params"])
+            mine = {t.untyped_storage().data_ptr() for t in own}
+            gathered = sum(t.numel() * t.element_size() for t in (getattr(x, "data", x) for x in optree.tree_leaves(whole))
+                           if t.untyped_storage().data_ptr() not in mine)
+            with use_rules(grpo_run._sampling_rules(rules)), step.apply_policy():
+                sample_completions(policy, step.named_params(whole), [[1 + i] * 16 for i in range(4)],
+                                   num_generations=4, max_completion_length=48, stop_ids=[], pad_id=0)
+    finally:
+        sampling.KVCache = kv_cache.KVCache
+    (cache,) = caches
+    return gathered, cache.nbytes(), tracker.run.peak_bytes - held
+
+
+def test_pipelined_rollout_holds_the_whole_model_and_its_cache_on_each_stage(base_dir):
+    """Under pp=2 every device samples with the whole model (the loop's ``logical_params``: each
+    stage's layers, embedding and head gathered over pp): each of two real gloo processes holds
+    every layer's cache (the estimate's, not a stage's half) and the gathered model (float32
+    masters) beside its own stage's; the rollout's measured peak above the stage's parameters is
+    the estimate's gathered model + compute copy + cache + forward but the host's sampling
+    tensors, within 20%."""
+    cfg = _cfg(base_dir, pp_size=2)
+    mesh, model_cfg = cfg.mesh(2), model_config(cfg)
+    rules = cfg.build_rules(mesh)
+    gen = estimate_rollout(cfg, mesh, rules, model_cfg, 16, torch.bfloat16)
+    family = model_family(cfg)
+    loss, decls, trainable, policy = grpo_run.grpo_objective_of(cfg, grpo_run.grpo_settings(cfg), family, model_cfg,
+                                                                None, family.param_decls(model_cfg))
+    measured = fpp.launch(lambda: _pipelined_rollout(decls, trainable, loss, policy, rules, family, model_cfg), mesh,
+                          processes=True, timeout=180)
+    whole_fp32 = sum(torch.Size(d.shape).numel() * 4 for d in optree.tree_leaves(decls))
+    host = 16 * (2 * HF["vocab_size"] * 4 + 9)
+    for gathered, cache, peak in measured:
+        assert gathered == gen.gathered_bytes == whole_fp32
+        assert cache == gen.cache_bytes == cache_bytes(model_cfg, 16, 63, torch.bfloat16)
+        assert peak - host <= gen.added_bytes <= 1.2 * peak, (peak, gen.added_bytes)
