@@ -295,6 +295,7 @@ def rollout_line(gen: Any, sets_peak: bool) -> str:
     return (f"rollout:    key / value cache {human_bytes(gen.cache_bytes)} per device ({gen.batch} rows x "
             f"({gen.prompt} prompt + {gen.new_tokens} new) positions) + forward {human_bytes(gen.forward_bytes)}"
             + (f" + the trained weights in the compute dtype {human_bytes(gen.cast_bytes)}" if gen.cast_bytes else "")
+            + (f" + the whole model gathered over pp {human_bytes(gen.gathered_bytes)}" if gen.gathered_bytes else "")
             + (f"; then its {gen.shape.scoring} {human_bytes(gen.scoring_bytes)} ({gen.shape.scored[0]} rows x "
                f"{gen.shape.scored[1]} positions)" if gen.scoring is not None else "")
             + ", "
