@@ -6,8 +6,9 @@ sampling rules; after sampling, a no-grad scoring forward of the whole batch may
 ``old_logps`` pass with ``num_iterations`` > 1, EBFT's feature model over the block-parallel
 rows), run on meta tensors by the same dry run through the run's own code (``grpo_run.old_logps``,
 ``ebft_run.feature_pass``). The rollout's peak is the state the step also holds (weights,
-optimizer state) plus the trained weights' copy in the compute dtype the sampling reads
-(``step.named_params``: none under fp32) and the larger of the sampling's cache and forward and
+optimizer state) plus, under a pipeline, the whole model gathered over ``pp`` (every device
+samples with all the layers: their cache is every layer's too), the trained weights' copy in
+the compute dtype the sampling reads (``step.named_params``: none under fp32) and the larger of the sampling's cache and forward and
 the scoring forward's temporaries; a run's peak is the larger of the rollout's and the step's."""
 from __future__ import annotations
 

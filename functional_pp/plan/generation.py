@@ -33,7 +33,8 @@ __all__ = ["GenerationEstimate", "ForwardEstimate", "estimate_generation", "esti
 class GenerationEstimate:
     """One device's memory for a generation of ``batch`` rows of ``prompt`` + ``new_tokens``
     positions: ``param_bytes`` (its shards of the weights), ``cache_bytes`` (the keys and values
-    of every position, :func:`functional_pp.models.kv_cache.cache_bytes`) and ``peak_bytes`` (the
+    of every position, :func:`functional_pp.models.kv_cache.cache_bytes`; ``compiled`` False: of
+    one position fewer, an eager ``generate``'s) and ``peak_bytes`` (the
     highest live memory: weights, cache and one forward's temporaries, the prompt's logits
     included)."""
     mesh: Mesh
