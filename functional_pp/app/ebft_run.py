@@ -16,7 +16,7 @@ import torch
 from functional_pp.config import ConfigError, TrainConfig
 
 __all__ = ["is_ebft", "ebft_settings", "ebft_objective_of", "load_documents", "steps_per_epoch", "summary_line",
-           "EBFTSampler"]
+           "EBFTSampler", "feature_pass"]
 
 
 def is_ebft(cfg: TrainConfig) -> bool:
@@ -121,17 +121,26 @@ class EBFTSampler:
         """The feature model's hidden states of block-parallel ``rows`` (``tokens`` and their
         layout, ``[N, L]`` each; ``[N, L, H]`` each, whole, on the host), the rows padded to a
         multiple of the data-parallel size for the forward."""
-        from functional_pp.parallel.fsdp.regather import relayout
         from functional_pp.parallel.reshard import named
         from functional_pp.preference.rollout import params_device
         n = rows["tokens"].shape[0]
         device = params_device(named_params)
         ins = {k: named((torch.cat([v, v[-1:].expand(-n % dp_size, -1)]) if n % dp_size else v).to(device),
                         "batch seq") for k, v in rows.items()}
-        with torch.no_grad():
-            states = self.features(named_params, ins.pop("tokens"), **ins)
-            out = []
-            for h in states:
-                full = relayout(h, tuple(() for _ in h.dims), "ebft features").value()
-                out.append(full.permute(*(h.dims.index(d) for d in ("batch", "seq", "hidden"))).float().cpu()[:n])
-        return out
+        return feature_pass(self.features, named_params, ins, lambda h: h.float().cpu()[:n])
+
+
+def feature_pass(features: Callable, named_params: Any, rows: dict, take: Callable[[torch.Tensor], Any]) -> list:
+    """EBFT's feature-model pass over block-parallel ``rows`` (``tokens`` and their layout, ``batch
+    seq`` each, laid out by the sampling rules), without gradients: ``take`` of each feature
+    layer's hidden states, gathered whole (``[N, L, H]`` on this device; the sampler's copies them
+    to the host). The rollout's estimate runs it on meta tensors (app/rollout_memory.py)."""
+    from functional_pp.parallel.fsdp.regather import relayout
+    ins = dict(rows)
+    with torch.no_grad():
+        states = features(named_params, ins.pop("tokens"), **ins)
+        out = []
+        for h in states:
+            full = relayout(h, tuple(() for _ in h.dims), "ebft features").value()
+            out.append(take(full.permute(*(h.dims.index(d) for d in ("batch", "seq", "hidden")))))
+    return out

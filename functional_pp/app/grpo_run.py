@@ -18,7 +18,7 @@ from functional_pp.config import ConfigError, TrainConfig
 
 __all__ = ["GRPO_METHODS", "is_grpo", "grpo_settings", "grpo_objective_of", "load_prompts", "reward_functions",
            "prompts_per_step", "eval_prompts_per_batch", "steps_per_epoch", "summary_line", "prompt_steps",
-           "GRPOSampler"]
+           "old_logps", "GRPOSampler"]
 
 #: ``rl:`` methods trained by the online loop (gdpo: TRL's ``normalize_then_sum``)
 GRPO_METHODS = ("grpo", "gdpo")
@@ -185,6 +185,19 @@ def _sampling_rules(rules: Any) -> Any:
     return rules.replace(seq=(), res_seq=())
 
 
+def old_logps(policy: Callable, named_params: Any, tokens: Any, labels: Any) -> torch.Tensor:
+    """GRPO's ``old_logps`` pass (``num_iterations`` > 1): the policy's per-token log-probabilities
+    of ``labels`` after ``tokens`` (both ``batch seq``, laid out by the sampling rules), without
+    gradients, gathered whole on this device (``[N, seq_len]``). The rollout's estimate runs it
+    on meta tensors (app/rollout_memory.py)."""
+    from functional_pp import ops
+    from functional_pp.parallel.fsdp.regather import relayout
+    with torch.no_grad():
+        lp = ops.token_log_probs(policy(named_params, tokens), labels)
+        full = relayout(lp, tuple(() for _ in lp.dims), "grpo old logps").value()
+    return full.permute(lp.dims.index("batch"), lp.dims.index("seq"))
+
+
 @dataclass
 class GRPOSampler:
     """Turns a step's prompts into this device's GRPO batch (the module docstring)."""
@@ -238,16 +251,11 @@ class GRPOSampler:
 
     def _logps(self, named_params: Any, whole: dict) -> torch.Tensor:
         """The policy's per-token log-probabilities of the labels, ``[N, seq_len]`` (fp32, CPU)."""
-        from functional_pp import ops
-        from functional_pp.parallel.fsdp.regather import relayout
         from functional_pp.parallel.reshard import named
         from functional_pp.preference.rollout import params_device
         device = params_device(named_params)
-        with torch.no_grad():
-            lp = ops.token_log_probs(self.policy(named_params, named(whole["tokens"].to(device), "batch seq")),
-                                     named(whole["labels"].to(device), "batch seq"))
-            full = relayout(lp, tuple(() for _ in lp.dims), "grpo old logps").value()
-        return full.permute(lp.dims.index("batch"), lp.dims.index("seq")).float().cpu()
+        return old_logps(self.policy, named_params, named(whole["tokens"].to(device), "batch seq"),
+                         named(whole["labels"].to(device), "batch seq")).float().cpu()
 
     def evaluate(self, step_fn: Any, params: Any, val: Any, per_batch: int, step: int, shard: Any) -> dict:
         """TRL's evaluation of the held-out prompts ``val`` at step ``step`` (steps done): each

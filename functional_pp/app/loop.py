@@ -753,13 +753,12 @@ def _build_step(cfg: TrainConfig, mesh, rules, family, model_cfg, loss, opt, cop
     :func:`~functional_pp.step.pipeline.pipeline_step` (the config's schedule and virtual
     stages, the family's first- and last-stage parameters); ``copies``: keys of whole copies of
     the model in the tree (a preference run's frozen reference), split over the stages alike."""
+    from functional_pp.app.pipeline_parts import pipeline_parts
     from functional_pp.step.pipeline import FewMicroBatchesWarning, pipeline_step
     from functional_pp.step.train import train_step
     if "pp" not in mesh.shape:
         return train_step(loss, opt, mesh=mesh, rules=rules, **options)
-    first, last = family.pipeline_ends(model_cfg) if family.pipeline_ends is not None else ((), ())
-    layers = ("layers", *(f"{c}.layers" for c in copies))
-    first, last = (tuple(ends) + tuple(f"{c}.{n}" for c in copies for n in ends) for ends in (first, last))
+    layers, first, last = pipeline_parts(family, model_cfg, copies)
     try:
         with warnings.catch_warnings():     # the config check already warned (config/checks.py)
             warnings.simplefilter("ignore", FewMicroBatchesWarning)

@@ -279,7 +279,8 @@ def planned_memory(cfg: TrainConfig, mesh, rules, model_cfg) -> str:
     est = planned_estimate(cfg, mesh, rules, model_cfg)
     held = held_line(cfg, mesh, rules, model_cfg)
     if est.rollout is not None:
-        held = "\n".join(x for x in (rollout_line(est.rollout, "key / value cache" in est.memory), held) if x)
+        from functional_pp.app.rollout_memory import sets_peak
+        held = "\n".join(x for x in (rollout_line(est.rollout, sets_peak(est)), held) if x)
     split = ", ".join(f"{k} {human_bytes(v)}" for k, v in sorted(est.memory.items(), key=lambda kv: -kv[1]) if v)
     line = f"peak:       {human_bytes(est.peak_bytes)} per device in a training step{' or its rollout' if est.rollout is not None else ''} ({split}; plan.estimate)"
     line += (f"\nreserved:   {human_bytes(est.reserved_bytes)} per device by the CUDA caching allocator (the peak and "
@@ -289,11 +290,14 @@ def planned_memory(cfg: TrainConfig, mesh, rules, model_cfg) -> str:
 
 
 def rollout_line(gen: Any, sets_peak: bool) -> str:
-    """The ``rollout:`` line of ``validate --memory``: the rollout's key / value cache and forward
-    (``gen``, app/rollout_memory.py) and whether it sets the peak."""
+    """The ``rollout:`` line of ``validate --memory``: the rollout's key / value cache and forward,
+    its scoring forward (``gen``, app/rollout_memory.py) and whether it sets the peak."""
     return (f"rollout:    key / value cache {human_bytes(gen.cache_bytes)} per device ({gen.batch} rows x "
             f"({gen.prompt} prompt + {gen.new_tokens} new) positions) + forward {human_bytes(gen.forward_bytes)}"
             + (f" + the trained weights in the compute dtype {human_bytes(gen.cast_bytes)}" if gen.cast_bytes else "")
+            + (f" + the whole model gathered over pp {human_bytes(gen.gathered_bytes)}" if gen.gathered_bytes else "")
+            + (f"; then its {gen.shape.scoring} {human_bytes(gen.scoring_bytes)} ({gen.shape.scored[0]} rows x "
+               f"{gen.shape.scored[1]} positions)" if gen.scoring is not None else "")
             + ", "
             f"held with the weights and optimizer state before each step "
             f"({'it sets the peak above' if sets_peak else 'the step peak above is higher'})")

@@ -483,8 +483,8 @@ def _segment_attention(q, k, v, seg, seq_axes, causal, scale, seq_size, balanced
         if softcap is not None or sinks is not None or explicit is not None:
             return _masked(qb, kb, vb, mask, scale, softcap, sinks, _kept(explicit, qp, kp, q.dtype),
                            _biased(explicit, qp, kp))
-        return F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale,
-                                              enable_gqa=bool(q.shape[1] != k.shape[1]))
+        return sdpa_for(qb)(qb, kb, vb, attn_mask=mask, scale=scale,
+                            enable_gqa=bool(q.shape[1] != k.shape[1]))
     if prefix is None:                # (one dense mask, as ever)
         return block(0, q.shape[2], k.shape[2])
     # the shared context's mask by blocks of queries: memory linear in the row, not quadratic

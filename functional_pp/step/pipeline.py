@@ -148,11 +148,7 @@ class PipelineSchedule:
         return state
 
     def _layer_at(self, path: str) -> tuple[int, int] | None:
-        """(which layer list, which layer) of a parameter path, or None outside the layers."""
-        for n, name in enumerate(self.layer_lists):
-            if path.startswith(name + "."):
-                return n, int(path[len(name) + 1:].split(".")[0])
-        return None
+        return layer_at(path, self.layer_lists)
 
     def logical_state(self, state: dict) -> dict:
         """The whole training state on every stage, as one device (or ``train_step`` on the same
@@ -222,10 +218,7 @@ class PipelineSchedule:
         return counts[0]
 
     def _end_stage(self, path: str) -> int | None:
-        """The virtual stage that alone holds a parameter outside the layers, or None (all do)."""
-        first = any(_under(path, n) for n in self.first_stage)
-        last = any(_under(path, n) for n in self.last_stage)
-        return 0 if first and not last else self.stages * self.virtual_stages - 1 if last and not first else None
+        return end_stage(path, self.first_stage, self.last_stage, self.stages * self.virtual_stages)
 
     def _held(self, i: int, device: int) -> bool:
         k = self._stage_of[i]
@@ -495,6 +488,29 @@ class Probe:
             return (received,)
         sizes = [math.prod(s) for s in self.shapes]
         return tuple(x.view(s) for x, s in zip(received.split(sizes), self.shapes))
+
+
+def layer_at(path: str, layer_lists: tuple[str, ...]) -> tuple[int, int] | None:
+    """(which layer list, which layer) of a parameter path, or None outside the layers."""
+    for n, name in enumerate(layer_lists):
+        if path.startswith(name + "."):
+            return n, int(path[len(name) + 1:].split(".")[0])
+    return None
+
+
+def end_stage(path: str, first_stage: tuple[str, ...], last_stage: tuple[str, ...], stages: int) -> int | None:
+    """The virtual stage (of ``stages``) that alone holds a parameter outside the layers, or None
+    (all do: named in neither or in both of ``first_stage`` and ``last_stage``)."""
+    first = any(_under(path, n) for n in first_stage)
+    last = any(_under(path, n) for n in last_stage)
+    return 0 if first and not last else stages - 1 if last and not first else None
+
+
+def held_by_one_stage(path: str, layer_lists: tuple[str, ...], first_stage: tuple[str, ...] = (),
+                      last_stage: tuple[str, ...] = ()) -> bool:
+    """Whether one stage alone holds a parameter (a layer's, or a first- or last-stage one):
+    :meth:`PipelineSchedule.logical_params` then gathers a whole copy of it on every stage."""
+    return layer_at(path, layer_lists) is not None or end_stage(path, first_stage, last_stage, 2) is not None
 
 
 def _under(path: str, prefix: str) -> bool:

@@ -85,3 +85,38 @@ def test_bad_sizes_are_refused():
     with pytest.raises(ValueError, match="new_tokens must be >= 1"):
         estimate_generation(FORWARD, llama.init(CFG, torch.float32), fpp.Mesh(), fpp.Rules(), batch=1, prompt=4,
                             new_tokens=0)
+
+
+def test_bf16_estimate_equals_the_measured_forwards():
+    """In bf16 the meta forwards hold what real ones hold (to 1 KiB): the cache's attention (a
+    mask over the cached keys) runs flash-like on meta as on the CPU, its boolean mask made the
+    additive one, not the math kernel's fp32 scores and widened q, k, v (2.9x the real
+    temporaries of the rollout test's model before)."""
+    decls = llama.init(CFG, torch.bfloat16)
+    params = sharding.named_tree(fpp.init_params(decls, seed=0), decls)
+    est = estimate_generation(FORWARD, decls, fpp.Mesh(), fpp.Rules(), batch=BATCH, prompt=PROMPT, new_tokens=NEW)
+    forwards, held, _ = _measured(params)
+    assert est.cache_bytes == held == cache_bytes(CFG, BATCH, PROMPT + NEW, torch.bfloat16)
+    assert abs(est.peak_bytes - forwards) <= 1024, (est.peak_bytes, forwards)
+
+
+def test_eager_estimate_is_a_measured_eager_generate(full):
+    """``compiled=False`` models an eager ``generate`` (a rollout's): its cache is the prompt +
+    new tokens - 1 positions the real call's holds, and the real call's peak is the estimate's
+    to within the host's sampling tensors (above) and 5% (below); the
+    static cache's estimate of the same call is higher than that."""
+    decls = llama.init(CFG, torch.float32)
+    params = sharding.named_tree(full, decls)
+    est = estimate_generation(FORWARD, decls, fpp.Mesh(), fpp.Rules(), batch=BATCH, prompt=PROMPT, new_tokens=NEW,
+                              compiled=False)
+    leaves = [x.data for x in optree.tree_leaves(params)]
+    forwards = MemoryTracker({"weights": est.param_bytes}, leaves, timeline=False)
+    with forwards:
+        cache = generation_forwards(FORWARD, params, named(PROMPTS, "batch seq"), NEW, compiled=False)
+    _, _, whole = _measured(params)
+    assert est.cache_bytes == cache.nbytes() == cache_bytes(CFG, BATCH, PROMPT + NEW - 1) > 0
+    assert abs(est.peak_bytes - forwards.run.peak_bytes) <= 1024
+    host = BATCH * (2 * CFG.vocab * 4 + 9)        # the sampling's float32 logits and probabilities, ids, flags
+    assert 0.95 * est.peak_bytes <= whole <= est.peak_bytes + host, (whole, est.peak_bytes)
+    static = estimate_generation(FORWARD, decls, fpp.Mesh(), fpp.Rules(), batch=BATCH, prompt=PROMPT, new_tokens=NEW)
+    assert static.peak_bytes > est.peak_bytes
