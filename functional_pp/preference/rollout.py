@@ -23,17 +23,18 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from functional_pp.models.sampling import generate
+from functional_pp.models.sampling import generate, left_padded
 from functional_pp.preference.grpo import _nanstd, combine_rewards
 
 __all__ = ["Rollout", "params_device", "sample_completions", "decode_completions", "score", "rollout",
            "rollout_batch", "rollout_metrics", "generation_seed"]
 
 
-def generation_seed(key: int, step: int, part: int = 0, stream: int = 0) -> int:
-    """The sampling seed of a step's ``part``-th generate call, from the run's generation key
-    (``stream`` > 0: the step's evaluation batch ``stream - 1``, apart from the training samples)."""
-    entropy = [int(key), int(step), int(part)] + ([int(stream)] if stream else [])
+def generation_seed(key: int, step: int, row: int = 0, stream: int = 0) -> int:
+    """The sampling seed of a step's ``row``-th sampled row (prompt ``row // num_generations``),
+    from the run's generation key (``stream`` > 0: the step's evaluation batch ``stream - 1``,
+    apart from the training samples): a row draws the same tokens however the rows are batched."""
+    entropy = [int(key), int(step), int(row)] + ([int(stream)] if stream else [])
     return int(np.random.SeedSequence(entropy).generate_state(1)[0])
 
 
@@ -50,27 +51,29 @@ def sample_completions(forward: Callable, params: Any, prompt_ids: Sequence[Sequ
                        stream: int = 0) -> tuple[list[list[int]], list[bool]]:
     """``(completions, truncated)``, ``num_generations`` consecutive rows per prompt: each the
     sampled tokens up to and including the first of ``stop_ids`` (not truncated), or
-    ``max_completion_length`` tokens without one (truncated). Prompts of one length are sampled
-    together (one :func:`generate` call per length, shortest first, rows padded to a multiple of
-    ``row_multiple`` by repeating the last: the data-parallel size), each call's seed
-    :func:`generation_seed` of ``key``, ``step`` and the call's index."""
+    ``max_completion_length`` tokens without one (truncated). Every row is sampled in one
+    :func:`generate` call, the prompts left-padded with ``pad_id`` to the longest (an attention
+    mask: the padding is never attended, each row's positions start at its first token), rows
+    padded to a multiple of ``row_multiple`` by repeating the last (the data-parallel size); row
+    ``i`` draws from its own seed :func:`generation_seed` of ``key``, ``step``, ``i`` and
+    ``stream``, so its tokens are those it gets sampled alone."""
     rows = [list(p) for p in prompt_ids for _ in range(num_generations)]
-    out: list[list[int] | None] = [None] * len(rows)
-    truncated = [False] * len(rows)
+    if not rows:
+        return [], []
+    seeds = [generation_seed(key, step, i, stream) for i in range(len(rows))]
+    extra = -len(rows) % max(1, row_multiple)
+    tokens, mask = left_padded(rows + [rows[-1]] * extra, pad_id)
+    device = params_device(params)
+    new = generate(forward, params, tokens.to(device), attention_mask=mask.to(device),
+                   max_new_tokens=max_completion_length, eos_id=list(stop_ids) or None, pad_id=pad_id,
+                   temperature=temperature, top_k=top_k, top_p=top_p,
+                   seed=seeds + [seeds[-1]] * extra)[:len(rows), tokens.size(1):].cpu()
     stops = set(int(s) for s in stop_ids)
-    for part, length in enumerate(sorted({len(r) for r in rows})):
-        which = [i for i, r in enumerate(rows) if len(r) == length]
-        batch = [rows[i] for i in which]
-        batch += [batch[-1]] * (-len(batch) % max(1, row_multiple))
-        tokens = generate(forward, params, torch.tensor(batch, dtype=torch.long, device=params_device(params)),
-                          max_new_tokens=max_completion_length, eos_id=list(stop_ids) or None, pad_id=pad_id,
-                          temperature=temperature, top_k=top_k, top_p=top_p,
-                          seed=generation_seed(key, step, part, stream))[:, length:].cpu()
-        for j, i in enumerate(which):
-            new = tokens[j].tolist()
-            end = next((k for k, t in enumerate(new) if t in stops), None)
-            out[i] = new if end is None else new[:end + 1]
-            truncated[i] = end is None
+    out, truncated = [], []
+    for row in new.tolist():
+        end = next((k for k, t in enumerate(row) if t in stops), None)
+        out.append(row if end is None else row[:end + 1])
+        truncated.append(end is None)
     return out, truncated
 
 
