@@ -26,7 +26,7 @@ import torch
 from functional_pp.models.sampling import generate, left_padded
 from functional_pp.preference.grpo import _nanstd, combine_rewards
 
-__all__ = ["Rollout", "params_device", "sample_completions", "decode_completions", "score", "rollout",
+__all__ = ["Rollout", "params_device", "sample_completions", "call_rows", "decode_completions", "score", "rollout",
            "rollout_batch", "rollout_metrics", "generation_seed"]
 
 
@@ -48,33 +48,55 @@ def params_device(params: Any) -> torch.device:
 def sample_completions(forward: Callable, params: Any, prompt_ids: Sequence[Sequence[int]], *, num_generations: int,
                        max_completion_length: int, stop_ids: Sequence[int], pad_id: int, temperature: float = 1.0,
                        top_k: int = 0, top_p: float = 1.0, key: int = 0, step: int = 0, row_multiple: int = 1,
-                       stream: int = 0) -> tuple[list[list[int]], list[bool]]:
+                       stream: int = 0, max_call_tokens: int | None = None) -> tuple[list[list[int]], list[bool]]:
     """``(completions, truncated)``, ``num_generations`` consecutive rows per prompt: each the
     sampled tokens up to and including the first of ``stop_ids`` (not truncated), or
-    ``max_completion_length`` tokens without one (truncated). Every row is sampled in one
+    ``max_completion_length`` tokens without one (truncated). The rows are sampled in one
     :func:`generate` call, the prompts left-padded with ``pad_id`` to the longest (an attention
     mask: the padding is never attended, each row's positions start at its first token), rows
-    padded to a multiple of ``row_multiple`` by repeating the last (the data-parallel size); row
-    ``i`` draws from its own seed :func:`generation_seed` of ``key``, ``step``, ``i`` and
-    ``stream``, so its tokens are those it gets sampled alone."""
+    padded to a multiple of ``row_multiple`` by repeating the last (the data-parallel size);
+    with ``max_call_tokens`` in as few calls as keep each call's padded rows x (longest prompt +
+    ``max_completion_length``) within it (its key / value cache), the rows taken shortest prompt
+    first. Row ``i`` draws from its own seed :func:`generation_seed` of ``key``, ``step``, ``i``
+    and ``stream``, so its tokens are those it gets sampled alone, however the rows are batched."""
     rows = [list(p) for p in prompt_ids for _ in range(num_generations)]
-    if not rows:
-        return [], []
     seeds = [generation_seed(key, step, i, stream) for i in range(len(rows))]
-    extra = -len(rows) % max(1, row_multiple)
-    tokens, mask = left_padded(rows + [rows[-1]] * extra, pad_id)
-    device = params_device(params)
-    new = generate(forward, params, tokens.to(device), attention_mask=mask.to(device),
-                   max_new_tokens=max_completion_length, eos_id=list(stop_ids) or None, pad_id=pad_id,
-                   temperature=temperature, top_k=top_k, top_p=top_p,
-                   seed=seeds + [seeds[-1]] * extra)[:len(rows), tokens.size(1):].cpu()
+    out: list[list[int]] = [[] for _ in rows]
+    truncated = [False] * len(rows)
     stops = set(int(s) for s in stop_ids)
-    out, truncated = [], []
-    for row in new.tolist():
-        end = next((k for k, t in enumerate(row) if t in stops), None)
-        out.append(row if end is None else row[:end + 1])
-        truncated.append(end is None)
+    for which in call_rows([len(r) for r in rows], max_completion_length, row_multiple, max_call_tokens):
+        extra = -len(which) % max(1, row_multiple)
+        which_padded = which + [which[-1]] * extra
+        tokens, mask = left_padded([rows[i] for i in which_padded], pad_id)
+        device = params_device(params)
+        new = generate(forward, params, tokens.to(device), attention_mask=mask.to(device),
+                       max_new_tokens=max_completion_length, eos_id=list(stop_ids) or None, pad_id=pad_id,
+                       temperature=temperature, top_k=top_k, top_p=top_p,
+                       seed=[seeds[i] for i in which_padded])[:len(which), tokens.size(1):].cpu()
+        for i, row in zip(which, new.tolist()):
+            end = next((k for k, t in enumerate(row) if t in stops), None)
+            out[i] = row if end is None else row[:end + 1]
+            truncated[i] = end is None
     return out, truncated
+
+
+def call_rows(lengths: Sequence[int], new_tokens: int, row_multiple: int = 1,
+              max_call_tokens: int | None = None) -> list[list[int]]:
+    """The rows (indices into ``lengths``, the prompts' lengths) of each generate call: all in
+    one (``max_call_tokens`` None), else shortest prompt first, a call growing while its rows
+    (padded to a multiple of ``row_multiple``) x (its longest prompt + ``new_tokens``) stay within
+    ``max_call_tokens`` (a row alone over it: a call of its own)."""
+    if not lengths:
+        return []
+    if max_call_tokens is None:
+        return [list(range(len(lengths)))]
+    calls: list[list[int]] = [[]]
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        rows = -(-(len(calls[-1]) + 1) // max(1, row_multiple)) * max(1, row_multiple)
+        if calls[-1] and rows * (lengths[i] + new_tokens) > max_call_tokens:
+            calls.append([])
+        calls[-1].append(i)
+    return calls
 
 
 def decode_completions(tokenizer: Any, completion_ids: Sequence[Sequence[int]], conversational: bool) -> list:
