@@ -101,8 +101,8 @@ def test_plan_refuses_a_device_the_rollout_does_not_fit(base_dir, monkeypatch):
 
 
 def test_ebft_rollout_is_documents_by_samples_at_the_last_anchor(base_dir):
-    """EBFT samples each anchor's block in one call of the step's documents x samples rows; the
-    largest is at the last anchor (12 of a 16-token document: anchors 4, 8, 12)."""
+    """EBFT's sampling calls hold at most the cache of the step's documents x samples rows at the
+    last anchor (12 of a 16-token document: anchors 4, 8, 12; ebft_rollout.call_tokens)."""
     ebft = {"mode": "strided", "stride": 4, "context_length": 4, "generate_max_len": 4, "n_samples_per_prompt": 2,
             "feature_layers": [0.5, 1.0]}
     cfg = TrainConfig.from_dict({**GRPO, "base_model": str(base_dir), "rl": "ebft", "ebft": ebft, "trl": None,
