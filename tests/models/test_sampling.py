@@ -4,7 +4,8 @@ layout (vocabulary split) draws the same tokens as one device; the temperature /
 filters equal transformers' logits warpers; rows stop at EOS and are padded; prompts of different
 lengths in one left-padded batch equal transformers' left-padded ``generate`` and each prompt
 generated alone (one device and FSDP x TP), their logits each row's alone, sampled with a seed per
-row each row's tokens alone, whatever the padding holds; ``cache_bytes`` is what a cache holds on each device;
+row each row's tokens alone (ALiBi, sinks, soft-caps, latent attention, experts with a capacity per
+sequence), whatever the padding holds; ``cache_bytes`` is what a cache holds on each device;
 bad arguments are refused."""
 from __future__ import annotations
 
@@ -177,6 +178,58 @@ def test_a_seed_per_row_draws_each_rows_tokens_alone(model):
     assert not torch.equal(_ours(cfg, params, tokens, attention_mask=mask, seed=SEEDS[0], **kw)[:, 7:], got)
     with pytest.raises(ValueError, match=r"one seed per row \(4 rows\), got 3 seeds"):
         _ours(cfg, params, tokens, attention_mask=mask, seed=SEEDS[:3], **kw)
+
+
+FAMILIES = {"alibi": dict(alibi_max=8.0), "sinks_softcap": dict(attn_sinks=True, attn_softcap=20.0, final_softcap=30.0),
+            "latent": dict(kv_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+                           head_dim=16),
+            "moe": dict(experts=4, experts_top_k=2, moe_mlp=32),
+            "moe_capacity": dict(experts=4, experts_top_k=2, moe_mlp=32, capacity_factor=1.0)}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_each_familys_padded_rows_draw_their_tokens_alone(family):
+    """ALiBi (its bias from key positions), attention sinks and soft-caps, latent attention,
+    experts dropless and with a capacity per sequence (a row's padding takes no slot, its
+    capacity is its own tokens'): a ragged left-padded batch's tokens, greedy and with a seed per
+    row, are each row's alone."""
+    from functional_pp.core.tree import tree_map
+    cfg = llama.Config(**{**dict(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, mlp=64), **FAMILIES[family]})
+    with torch.no_grad():        # weights large enough that the tokens depend on what is attended
+        params = tree_map(lambda x: x if x.dims == ("hidden",) else x * 8, fpp.init(llama.init, cfg, seed=0))
+    forward = functools.partial(llama.forward, cfg=cfg)
+    tokens, mask = left_padded(RAGGED, pad_id=0)
+    for kw in (dict(), dict(temperature=1.0, seed=SEEDS)):
+        got = generate(forward, params, tokens, attention_mask=mask, max_new_tokens=8, **kw)[:, 7:]
+        for i, p in enumerate(RAGGED):
+            own = {**kw, "seed": SEEDS[i]} if kw else kw
+            alone = generate(forward, params, torch.tensor([p]), max_new_tokens=8, **own)[0, len(p):]
+            assert got[i].tolist() == alone.tolist(), (family, kw, i)
+
+
+def _device_capacity_experts(cfg, whole, tokens, mask):
+    rules = llama.default_rules()
+    with fpp.use_rules(rules):
+        decls = llama.init(cfg, torch.float32)
+        local = sharding.named_tree(sharding.shard(whole, decls, current_context().mesh, rules, fpp.current_rank()),
+                                    decls)
+        return generate(functools.partial(llama.forward, cfg=cfg), local, tokens, attention_mask=mask,
+                        max_new_tokens=6, temperature=1.0, seed=SEEDS)
+
+
+def test_capacity_experts_padding_under_fsdp_tp_equals_one_device():
+    """The rows' padding, split over dp_shard with the rows, still takes no expert slot."""
+    from functional_pp.core.tree import tree_map
+    cfg = llama.Config(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, mlp=64, **FAMILIES["moe_capacity"])
+    with torch.no_grad():
+        params = tree_map(lambda x: x if x.dims == ("hidden",) else x * 8, fpp.init(llama.init, cfg, seed=0))
+    tokens, mask = left_padded(RAGGED, pad_id=0)
+    want = generate(functools.partial(llama.forward, cfg=cfg), params, tokens, attention_mask=mask, max_new_tokens=6,
+                    temperature=1.0, seed=SEEDS)
+    whole = tree_map(lambda x: x.value(), params)
+    for got in fpp.launch(functools.partial(_device_capacity_experts, cfg, whole, tokens, mask),
+                          fpp.Mesh(dp_shard=2, tp=2)):
+        assert torch.equal(got, want)
 
 
 def _cached_logits(cfg, params, tokens, mask, fed):
