@@ -64,11 +64,11 @@ def sample_completions(forward: Callable, params: Any, prompt_ids: Sequence[Sequ
     out: list[list[int]] = [[] for _ in rows]
     truncated = [False] * len(rows)
     stops = set(int(s) for s in stop_ids)
+    device = params_device(params) if rows else None
     for which in call_rows([len(r) for r in rows], max_completion_length, row_multiple, max_call_tokens):
         extra = -len(which) % max(1, row_multiple)
         which_padded = which + [which[-1]] * extra
         tokens, mask = left_padded([rows[i] for i in which_padded], pad_id)
-        device = params_device(params)
         new = generate(forward, params, tokens.to(device), attention_mask=mask.to(device),
                        max_new_tokens=max_completion_length, eos_id=list(stop_ids) or None, pad_id=pad_id,
                        temperature=temperature, top_k=top_k, top_p=top_p,
