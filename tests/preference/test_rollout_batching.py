@@ -1,7 +1,7 @@
 """A rollout's sampling (functional_pp/preference/rollout.py ``sample_completions``) in one
 left-padded ``generate`` call for prompts of every length: each row's completion is the one it
 gets in any other batching (one call per row, calls bounded by ``max_call_tokens``, rows padded
-to ``row_multiple``), greedy and sampled with its own seed; a simulated dp_shard=2 draws one
+to ``row_multiple``, another pad token), greedy and sampled with its own seed; a simulated dp_shard=2 draws one
 device's completions; ``call_rows`` packs the shortest prompts first within the budget."""
 from __future__ import annotations
 
@@ -60,6 +60,7 @@ def test_row_multiple_and_bounded_calls_change_no_completion(params, monkeypatch
     bounded, bounded_cut, shapes = _sample(params, monkeypatch, row_multiple=4, max_call_tokens=8 * (5 + NEW))
     assert len(shapes) > 1 and all(b % 4 == 0 and b * (t + NEW) <= 8 * (5 + NEW) for b, t in shapes)
     assert (bounded, bounded_cut) == (one, cut)
+    assert _sample(params, monkeypatch, pad_id=63)[:2] == (one, cut)        # the padding's token: never seen
     other, _, _ = _sample(params, monkeypatch, step=4)
     assert other != one                                                     # the seeds are the step's
 
