@@ -9,7 +9,8 @@ filters, in that order; rows stop at ``eos_id`` (then padded with ``pad_id``), a
 Under a layout (inside :func:`functional_pp.launch`), the same code runs on every device: the
 prompts are laid out by the rules as a training batch is, the last position's logits are
 gathered whole (batch and vocabulary) so every device draws the same next tokens from the same
-seeded generator.
+seeded generators (one for the batch, or one per row: a row's tokens then do not depend on the
+rows beside it).
 
 ``compile=True`` (or a backend name) runs each new token's forward as one ``torch.compile``
 graph over a static cache (:meth:`KVCache.decoding`: buffers of prompt + ``max_new_tokens``
