@@ -571,9 +571,10 @@ def _capacity_experts(X, idx, w_e, ffn, x, tok_dims, top_k, capacity_factor, n_l
     token dimension), filled in the order (row, choice, position): every token's first choice
     before any token's second, earlier positions first; the assignments past the capacity are
     dropped (with ``pad``, each row's leading padding tokens: those take no slot and a row keeps
-    the capacity of its own tokens, at most the buffer's). The slots (R rows x E experts x cap, empty ones computing a token whose output is
-    not used) go to the experts' devices with an even all-to-all and come back with its
-    transpose; returns the combined output and the number of dropped assignments."""
+    the capacity of its own tokens, at most the buffer's). The slots (R rows x E experts x cap,
+    empty ones computing a token whose output is not used) go to the experts' devices with an
+    even all-to-all and come back with its transpose; returns the combined output and the
+    number of dropped assignments (a row's padding not counted)."""
     split = [(d, x.split[x.dims.index(d)]) for d in tok_dims[1:] if x.split[x.dims.index(d)]]
     if split:
         raise ValueError(f"experts: capacity_factor gives each sequence (a row of {tok_dims[0]!r}) its experts' "

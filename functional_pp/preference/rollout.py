@@ -3,8 +3,8 @@
 
 1. :func:`sample_completions`: ``num_generations`` completions per prompt, sampled with the
    policy's current parameters by :func:`functional_pp.models.sampling.generate` (in-process,
-   under the run's layout; one left-padded call, each row its own seed); each completion ends at its first stop token (kept) or at
-   ``max_completion_length`` (truncated);
+   under the run's layout; one left-padded call, each row its own seed); each completion ends
+   at its first stop token (kept) or at ``max_completion_length`` (truncated);
 2. :func:`score`: the reward functions, TRL's signature ``f(prompts, completions,
    completion_ids, **columns) -> list[float | None]`` (the dataset's other columns as keyword
    arguments, one value per completion), ``[N, F]`` with NaN for None;
