@@ -99,9 +99,10 @@ class RolloutEstimate:
 
 def rollout_shape(cfg: TrainConfig, global_batch: int) -> RolloutShape | None:
     """GRPO: the step's completions (prompts x ``num_generations``, the global batch) of prompts
-    up to ``sequence_len - max_completion_length``; EBFT: the step's documents x
-    ``n_samples_per_prompt`` at the last anchor (each anchor is one generate call). None for a
-    run without a rollout."""
+    up to ``sequence_len - max_completion_length`` (one left-padded call); EBFT: the step's
+    documents x ``n_samples_per_prompt`` at the last anchor (the cache each of its calls is
+    bounded to: :func:`~functional_pp.preference.ebft_rollout.call_tokens`). None for a run
+    without a rollout."""
     from functional_pp.app import ebft_run, grpo_run
     if grpo_run.is_grpo(cfg):
         spec = grpo_run.grpo_settings(cfg)

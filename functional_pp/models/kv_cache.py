@@ -143,6 +143,11 @@ class KVCache:
         queries, keys = self._segments
         return k, v, causal, queries, None if causal else keys
 
+    def prompt_padding(self) -> Named | None:
+        """Each row's left padding (``batch``) while the prompt's forward runs (None after it, or
+        without padding): what a per-sequence computation (experts' capacity) must leave out."""
+        return self.left_pad if self.offset == 0 and self.position is None else None
+
     def finish(self) -> None:
         """The forward ended: its tokens are cached."""
         if self.position is None:

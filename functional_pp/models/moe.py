@@ -24,6 +24,7 @@ import torch
 
 from functional_pp import ops
 from functional_pp.core import step_values
+from functional_pp.models import kv_cache
 from functional_pp.ops.experts import RouterStats, experts, load_balancing_loss, router_z_loss, routing_counts
 from functional_pp.parallel.named import Named
 
@@ -75,6 +76,13 @@ def _biases(cfg, w: Callable) -> dict:
             "expert_up_bias": w((E, F), "experts mlp", 0.0), "expert_down_bias": w((E, H), "experts hidden", 0.0)}
 
 
+def _prompt_padding(cfg) -> Named | None:
+    """Sampling left-padded prompts: each row's padding, which takes no expert capacity (a
+    row's slots are those it has alone; dropless routing needs none)."""
+    cache = kv_cache.active() if cfg.capacity_factor is not None else None
+    return None if cache is None else cache.prompt_padding()
+
+
 def mlp_block(m: dict, h: Named, cfg, router_x: Named | None = None) -> Named:
     """The routed experts of ``h`` (batch seq hidden), plus the shared expert if any;
     the layer's router statistics go to the active :func:`collect`. ``router_x``: what the
@@ -93,7 +101,8 @@ def mlp_block(m: dict, h: Named, cfg, router_x: Named | None = None) -> Named:
                          clamp=None if getattr(cfg, "swiglu_limit", None) is None else (cfg.swiglu_alpha, cfg.swiglu_limit),
                          weights_on_input=getattr(cfg, "experts_scale_input", False),
                          token_capacity=getattr(cfg, "token_capacity", None), router_x=router_x,
-                         expert_scale=m.get("expert_scale"), activation=cfg.mlp_act)
+                         expert_scale=m.get("expert_scale"), activation=cfg.mlp_act,
+                         row_padding=_prompt_padding(cfg))
     if "latent_out" in m:
         out = ops.einsum("batch seq latent, latent hidden -> batch seq hidden", ops.rename(out, hidden="latent"),
                          m["latent_out"])

@@ -9,7 +9,8 @@ filters, in that order; rows stop at ``eos_id`` (then padded with ``pad_id``), a
 Under a layout (inside :func:`functional_pp.launch`), the same code runs on every device: the
 prompts are laid out by the rules as a training batch is, the last position's logits are
 gathered whole (batch and vocabulary) so every device draws the same next tokens from the same
-seeded generator.
+seeded generators (one for the batch, or one per row: a row's tokens then do not depend on the
+rows beside it).
 
 ``compile=True`` (or a backend name) runs each new token's forward as one ``torch.compile``
 graph over a static cache (:meth:`KVCache.decoding`: buffers of prompt + ``max_new_tokens``
@@ -94,6 +95,25 @@ def _left_pad_counts(attention_mask: torch.Tensor, shape: tuple[int, ...]) -> to
     return (m == 0).sum(1)
 
 
+def _generators(seed: int | Sequence[int], rows: int) -> list[torch.Generator]:
+    """One CPU generator for the whole batch (an int ``seed``) or one per row (a seed per row)."""
+    if not isinstance(seed, (Sequence, torch.Tensor)):
+        return [torch.Generator(device="cpu").manual_seed(int(seed))]
+    seeds = [int(s) for s in seed]
+    if len(seeds) != rows:
+        raise ValueError(f"seed: give one int, or one seed per row ({rows} rows), got {len(seeds)} seeds")
+    return [torch.Generator(device="cpu").manual_seed(s) for s in seeds]
+
+
+def _drawn(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """One token per row of ``probs`` ``[batch, vocab]``: all rows from one generator, or each
+    row from its own (then a row's draw is the one it makes alone)."""
+    if len(generators) == 1:
+        return torch.multinomial(probs, 1, generator=generators[0]).squeeze(1)
+    return torch.cat([torch.multinomial(probs[i:i + 1], 1, generator=g).squeeze(1)
+                      for i, g in enumerate(generators)])
+
+
 def _decode_step(forward: Callable[[Any, Named], Named], params: Any, token: Named, position: torch.Tensor,
                  left_pad: Named, layers: list, capacity: int) -> tuple[torch.Tensor, list]:
     """One new token's forward over a static cache (what ``compile=`` compiles): the last
@@ -138,7 +158,7 @@ def decode_step(compile: bool | str) -> Callable[..., tuple[torch.Tensor, list]]
 
 def generate(forward: Callable[[Any, Named], Named], params: Any, prompts: torch.Tensor, *, max_new_tokens: int,
              eos_id: int | Sequence[int] | None = None, pad_id: int | None = None, temperature: float = 0.0,
-             top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+             top_k: int = 0, top_p: float = 1.0, seed: int | Sequence[int] = 0,
              attention_mask: torch.Tensor | None = None, compile: bool | str = False) -> torch.Tensor:
     """``prompts`` (``[batch, length]`` token ids) followed by up to ``max_new_tokens`` new
     tokens per row (``[batch, length + n]``, ``n`` the steps taken); see the module docstring.
@@ -148,14 +168,15 @@ def generate(forward: Callable[[Any, Named], Named], params: Any, prompts: torch
     positions count from its first token and no token sees the padding. ``compile``: each new
     token's forward one compiled graph (True: inductor, or a backend name such as
     ``"aot_eager"``) over a static cache of ``length + max_new_tokens`` positions; the same
-    tokens as eager."""
+    tokens as eager. ``seed``: one generator for the batch, or one seed per row (each row draws
+    from its own generator: its tokens do not depend on the rows sampled beside it)."""
     if prompts.dim() != 2 or prompts.size(1) == 0:
         raise ValueError(f"prompts must be [batch, length] token ids with length >= 1, got {tuple(prompts.shape)}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     check_compile(compile)
     pads = None if attention_mask is None else _left_pad_counts(attention_mask, tuple(prompts.shape))
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    generators = _generators(seed, prompts.size(0))
     stops = None if eos_id is None else torch.tensor([eos_id] if isinstance(eos_id, int) else list(eos_id))
     pad = pad_id if pad_id is not None else int(stops[0]) if stops is not None and len(stops) else 0
     out = prompts
@@ -175,7 +196,7 @@ def generate(forward: Callable[[Any, Named], Named], params: Any, prompts: torch
                 nxt = last.argmax(dim=-1)
             else:
                 probs = filtered_logits(last, temperature=temperature, top_k=top_k, top_p=top_p).softmax(-1)
-                nxt = torch.multinomial(probs, 1, generator=gen).squeeze(1)
+                nxt = _drawn(probs, generators)
             nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
             out = torch.cat([out, nxt[:, None].to(device=out.device, dtype=out.dtype)], dim=1)
             if stops is not None:

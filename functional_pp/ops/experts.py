@@ -127,7 +127,7 @@ def experts(x: Named, router: Named, gate: Named | None, up: Named, down: Named,
             clamp: tuple[float, ...] | None = None, weights_on_input: bool = False,
             token_capacity: int | None = None, router_x: Named | None = None,
             expert_scale: Named | None = None, activation: str = "silu",
-            chosen: Named | None = None) -> tuple[Named, RouterStats]:
+            chosen: Named | None = None, row_padding: Named | None = None) -> tuple[Named, RouterStats]:
     """The routed experts of a mixture-of-experts layer.
 
     ``x`` holds tokens (any dimensions besides ``hidden``, e.g. ``batch seq hidden``);
@@ -144,7 +144,10 @@ def experts(x: Named, router: Named, gate: Named | None, up: Named, down: Named,
     sequence (the first token dimension's rows, e.g. ``batch``), :func:`capacity`; the
     assignments beyond it are dropped (a token then gets only its kept experts' outputs, its
     weights not renormalised) and counted in ``RouterStats.dropped``. Its shapes are static,
-    so it compiles; it needs each sequence whole on a device.
+    so it compiles; it needs each sequence whole on a device. ``row_padding`` (the first token
+    dimension's, e.g. ``batch``: each row's padding tokens before its own, left-padded prompts
+    sampled together): a row's padding takes no slot and its capacity counts its own tokens, so
+    its experts compute what they compute for the row alone.
 
     Grouped routing (DeepSeek-V2's group_limited_greedy, DeepSeek-V3, GLM-4.5): the experts in
     ``groups`` groups of consecutive experts, each token chooses among the experts of its
@@ -333,8 +336,14 @@ def experts(x: Named, router: Named, gate: Named | None, up: Named, down: Named,
     part = tuple(a for a in e_axes if a not in x.vary)          # tokens equal there: a pending sum
     ffn = _ExpertMLP(ws, (expert_dim, hidden, mlp), clamp, _prod([mesh.shape[a] for a in m_axes]), activation, gated)
     if capacity_factor is not None:
+        pad = None
+        if row_padding is not None:
+            if row_padding.dims != tok_dims[:1] or row_padding.split[0] != x.split[0]:
+                raise ValueError(f"experts: row_padding {row_padding!r} must be x's first token dimension "
+                                 f"{tok_dims[0]!r}, laid out as x's ({x.split[0]})")
+            pad = row_padding.data.to(device=X.device, dtype=torch.long)
         y, dropped = _capacity_experts(X, idx, w_e, ffn, x, tok_dims, top_k, capacity_factor, n_local,
-                                       e_axes, sizes, a2a, part)
+                                       e_axes, sizes, a2a, part, pad)
     else:
         y, dropped = _dropless_experts(X, idx, w_e, ffn, top_k, n_local, e_axes, sizes, a2a, part,
                                        planning, weights_on_input), capped
@@ -556,13 +565,16 @@ def capacity(tokens: int, top_k: int, n_experts: int, capacity_factor: float) ->
     return max(1, min(tokens, math.ceil(capacity_factor * tokens * top_k / n_experts)))
 
 
-def _capacity_experts(X, idx, w_e, ffn, x, tok_dims, top_k, capacity_factor, n_local, e_axes, sizes, a2a, part):
+def _capacity_experts(X, idx, w_e, ffn, x, tok_dims, top_k, capacity_factor, n_local, e_axes, sizes, a2a, part,
+                      pad=None):
     """Static shapes: every expert has :func:`capacity` slots per sequence (a row of the first
     token dimension), filled in the order (row, choice, position): every token's first choice
     before any token's second, earlier positions first; the assignments past the capacity are
-    dropped. The slots (R rows x E experts x cap, empty ones computing a token whose output is
-    not used) go to the experts' devices with an even all-to-all and come back with its
-    transpose; returns the combined output and the number of dropped assignments."""
+    dropped (with ``pad``, each row's leading padding tokens: those take no slot and a row keeps
+    the capacity of its own tokens, at most the buffer's). The slots (R rows x E experts x cap,
+    empty ones computing a token whose output is not used) go to the experts' devices with an
+    even all-to-all and come back with its transpose; returns the combined output and the
+    number of dropped assignments (a row's padding not counted)."""
     split = [(d, x.split[x.dims.index(d)]) for d in tok_dims[1:] if x.split[x.dims.index(d)]]
     if split:
         raise ValueError(f"experts: capacity_factor gives each sequence (a row of {tok_dims[0]!r}) its experts' "
@@ -578,8 +590,16 @@ def _capacity_experts(X, idx, w_e, ffn, x, tok_dims, top_k, capacity_factor, n_l
     rows_of = torch.arange(R, device=dev)[:, None]
     tok = (rows_of * S + torch.arange(S, device=dev).repeat(top_k)[None]).reshape(-1)
     onehot = torch.zeros(R, top_k * S, E, dtype=torch.int32, device=dev).scatter_(2, a[..., None], 1)
+    real = None
+    if pad is not None:                             # (a row's padding queues for no slot)
+        real = (torch.arange(S, device=dev)[None] >= pad[:, None]).repeat(1, top_k)
+        onehot = onehot * real[..., None].to(onehot.dtype)
     slot = onehot.cumsum(1, dtype=torch.int32).gather(2, a[..., None]).squeeze(2).long() - 1   # its place in the queue
     kept = slot < cap
+    if real is not None:
+        own = (S - pad).clamp_min(1)
+        row_cap = torch.minimum(own, torch.ceil(capacity_factor * own.double() * top_k / E).long()).clamp_min(1)
+        kept = kept & real & (slot < row_cap[:, None])
     n_slots = R * E * cap
     where = torch.where(kept, (rows_of * E + a) * cap + slot, n_slots).reshape(-1)
     slot_token = torch.zeros(n_slots + 1, dtype=torch.int64, device=dev).scatter_(0, where, tok)[:n_slots]
@@ -617,7 +637,7 @@ def _capacity_experts(X, idx, w_e, ffn, x, tok_dims, top_k, capacity_factor, n_l
     at = torch.where(valid, at, 0)
     contrib = out[at] * (w_a * valid.to(w_a.dtype))[:, None]
     y = X.new_zeros(X.shape[0], h_out).index_add(0, tok, contrib)
-    return y, (~kept).sum()
+    return y, (~kept if real is None else real & ~kept).sum()
 
 
 def load_balancing_loss(stats: Sequence[RouterStats]) -> Named:

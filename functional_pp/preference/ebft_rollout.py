@@ -1,7 +1,8 @@
 """EBFT's strided rollout (docs/preference.md "EBFT"), composed from GRPO's sampling and the
 pure functions of :mod:`.ebft`: for each document of a step, its blocks' anchors, ``n`` samples
 of ``generate_max_len`` tokens per block (:func:`~functional_pp.preference.rollout.sample_completions`
-on the prompts ``doc[:a]``, no stop token), the frozen feature model's block features of the
+on the prompts ``doc[:a]``, no stop token, left-padded into calls of at most the cache of the
+step's documents x samples at the last anchor: :func:`call_tokens`), the frozen feature model's block features of the
 samples and of the document, the rewards and advantages per block, and the training batch whose
 loss is one weighted sum of token log-probabilities
 (:func:`~functional_pp.preference.weighted_logps.weighted_logps_objective`).
@@ -29,7 +30,7 @@ from functional_pp.preference.ebft import block_advantages, block_rewards, row_b
 from functional_pp.preference.ebft_layout import block_parallel_row, empty_row, row_length, sample_starts
 from functional_pp.preference.rollout import sample_completions
 
-__all__ = ["EBFTRollout", "ebft_rollout", "row_length_of", "score_samples", "ebft_batch", "ebft_metrics"]
+__all__ = ["EBFTRollout", "ebft_rollout", "call_tokens", "row_length_of", "score_samples", "ebft_batch", "ebft_metrics"]
 
 
 @dataclass
@@ -68,12 +69,20 @@ def ebft_rollout(policy: Callable, params: Any, documents: Sequence[Any], spec: 
         completions, _ = sample_completions(policy, params, prompts, num_generations=n, max_completion_length=gen,
                                             stop_ids=[], pad_id=pad_id, temperature=spec.temperature,
                                             top_p=spec.top_p, key=key, step=step, row_multiple=row_multiple,
-                                            stream=stream)
+                                            stream=stream, max_call_tokens=call_tokens(
+                                                len(documents) * n, max(len(p) for p in prompts), gen, row_multiple))
     flat = torch.tensor(completions, dtype=torch.long).view(-1, n, gen)
     counts = [len(a) for a in anchors]
     samples = list(torch.split(flat, counts)) if prompts else [torch.zeros(0, n, gen, dtype=torch.long)
                                                                 for _ in documents]
     return score_samples(documents, samples, spec, feature_states, pad_id=pad_id)
+
+
+def call_tokens(rows: int, last_anchor: int, generate_max_len: int, row_multiple: int = 1) -> int:
+    """The key / value cache positions a step's sampling call may hold: its documents x samples
+    rows (padded to ``row_multiple``) at its last anchor, plus the sampled tokens; the rows of
+    earlier anchors (shorter prompts) fill calls of as many positions."""
+    return -(-rows // max(1, row_multiple)) * max(1, row_multiple) * (last_anchor + generate_max_len)
 
 
 def row_length_of(spec: Any, seq_len: int, multiple: int = 1) -> int:

@@ -3,8 +3,8 @@
 
 1. :func:`sample_completions`: ``num_generations`` completions per prompt, sampled with the
    policy's current parameters by :func:`functional_pp.models.sampling.generate` (in-process,
-   under the run's layout); each completion ends at its first stop token (kept) or at
-   ``max_completion_length`` (truncated);
+   under the run's layout; one left-padded call, each row its own seed); each completion ends
+   at its first stop token (kept) or at ``max_completion_length`` (truncated);
 2. :func:`score`: the reward functions, TRL's signature ``f(prompts, completions,
    completion_ids, **columns) -> list[float | None]`` (the dataset's other columns as keyword
    arguments, one value per completion), ``[N, F]`` with NaN for None;
@@ -23,17 +23,18 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from functional_pp.models.sampling import generate
+from functional_pp.models.sampling import generate, left_padded
 from functional_pp.preference.grpo import _nanstd, combine_rewards
 
-__all__ = ["Rollout", "params_device", "sample_completions", "decode_completions", "score", "rollout",
+__all__ = ["Rollout", "params_device", "sample_completions", "call_rows", "decode_completions", "score", "rollout",
            "rollout_batch", "rollout_metrics", "generation_seed"]
 
 
-def generation_seed(key: int, step: int, part: int = 0, stream: int = 0) -> int:
-    """The sampling seed of a step's ``part``-th generate call, from the run's generation key
-    (``stream`` > 0: the step's evaluation batch ``stream - 1``, apart from the training samples)."""
-    entropy = [int(key), int(step), int(part)] + ([int(stream)] if stream else [])
+def generation_seed(key: int, step: int, row: int = 0, stream: int = 0) -> int:
+    """The sampling seed of a step's ``row``-th sampled row (prompt ``row // num_generations``),
+    from the run's generation key (``stream`` > 0: the step's evaluation batch ``stream - 1``,
+    apart from the training samples): a row draws the same tokens however the rows are batched."""
+    entropy = [int(key), int(step), int(row)] + ([int(stream)] if stream else [])
     return int(np.random.SeedSequence(entropy).generate_state(1)[0])
 
 
@@ -47,31 +48,55 @@ def params_device(params: Any) -> torch.device:
 def sample_completions(forward: Callable, params: Any, prompt_ids: Sequence[Sequence[int]], *, num_generations: int,
                        max_completion_length: int, stop_ids: Sequence[int], pad_id: int, temperature: float = 1.0,
                        top_k: int = 0, top_p: float = 1.0, key: int = 0, step: int = 0, row_multiple: int = 1,
-                       stream: int = 0) -> tuple[list[list[int]], list[bool]]:
+                       stream: int = 0, max_call_tokens: int | None = None) -> tuple[list[list[int]], list[bool]]:
     """``(completions, truncated)``, ``num_generations`` consecutive rows per prompt: each the
     sampled tokens up to and including the first of ``stop_ids`` (not truncated), or
-    ``max_completion_length`` tokens without one (truncated). Prompts of one length are sampled
-    together (one :func:`generate` call per length, shortest first, rows padded to a multiple of
-    ``row_multiple`` by repeating the last: the data-parallel size), each call's seed
-    :func:`generation_seed` of ``key``, ``step`` and the call's index."""
+    ``max_completion_length`` tokens without one (truncated). The rows are sampled in one
+    :func:`generate` call, the prompts left-padded with ``pad_id`` to the longest (an attention
+    mask: the padding is never attended, each row's positions start at its first token), rows
+    padded to a multiple of ``row_multiple`` by repeating the last (the data-parallel size);
+    with ``max_call_tokens`` in as few calls as keep each call's padded rows x (longest prompt +
+    ``max_completion_length``) within it (its key / value cache), the rows taken shortest prompt
+    first. Row ``i`` draws from its own seed :func:`generation_seed` of ``key``, ``step``, ``i``
+    and ``stream``, so its tokens are those it gets sampled alone, however the rows are batched."""
     rows = [list(p) for p in prompt_ids for _ in range(num_generations)]
-    out: list[list[int] | None] = [None] * len(rows)
+    seeds = [generation_seed(key, step, i, stream) for i in range(len(rows))]
+    out: list[list[int]] = [[] for _ in rows]
     truncated = [False] * len(rows)
     stops = set(int(s) for s in stop_ids)
-    for part, length in enumerate(sorted({len(r) for r in rows})):
-        which = [i for i, r in enumerate(rows) if len(r) == length]
-        batch = [rows[i] for i in which]
-        batch += [batch[-1]] * (-len(batch) % max(1, row_multiple))
-        tokens = generate(forward, params, torch.tensor(batch, dtype=torch.long, device=params_device(params)),
-                          max_new_tokens=max_completion_length, eos_id=list(stop_ids) or None, pad_id=pad_id,
-                          temperature=temperature, top_k=top_k, top_p=top_p,
-                          seed=generation_seed(key, step, part, stream))[:, length:].cpu()
-        for j, i in enumerate(which):
-            new = tokens[j].tolist()
-            end = next((k for k, t in enumerate(new) if t in stops), None)
-            out[i] = new if end is None else new[:end + 1]
+    device = params_device(params) if rows else None
+    for which in call_rows([len(r) for r in rows], max_completion_length, row_multiple, max_call_tokens):
+        extra = -len(which) % max(1, row_multiple)
+        which_padded = which + [which[-1]] * extra
+        tokens, mask = left_padded([rows[i] for i in which_padded], pad_id)
+        new = generate(forward, params, tokens.to(device), attention_mask=mask.to(device),
+                       max_new_tokens=max_completion_length, eos_id=list(stop_ids) or None, pad_id=pad_id,
+                       temperature=temperature, top_k=top_k, top_p=top_p,
+                       seed=[seeds[i] for i in which_padded])[:len(which), tokens.size(1):].cpu()
+        for i, row in zip(which, new.tolist()):
+            end = next((k for k, t in enumerate(row) if t in stops), None)
+            out[i] = row if end is None else row[:end + 1]
             truncated[i] = end is None
     return out, truncated
+
+
+def call_rows(lengths: Sequence[int], new_tokens: int, row_multiple: int = 1,
+              max_call_tokens: int | None = None) -> list[list[int]]:
+    """The rows (indices into ``lengths``, the prompts' lengths) of each generate call: all in
+    one (``max_call_tokens`` None), else shortest prompt first, a call growing while its rows
+    (padded to a multiple of ``row_multiple``) x (its longest prompt + ``new_tokens``) stay within
+    ``max_call_tokens`` (a row alone over it: a call of its own)."""
+    if not lengths:
+        return []
+    if max_call_tokens is None:
+        return [list(range(len(lengths)))]
+    calls: list[list[int]] = [[]]
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        rows = -(-(len(calls[-1]) + 1) // max(1, row_multiple)) * max(1, row_multiple)
+        if calls[-1] and rows * (lengths[i] + new_tokens) > max_call_tokens:
+            calls.append([])
+        calls[-1].append(i)
+    return calls
 
 
 def decode_completions(tokenizer: Any, completion_ids: Sequence[Sequence[int]], conversational: bool) -> list:

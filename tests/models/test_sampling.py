@@ -3,7 +3,9 @@ kv_cache.py): greedy tokens equal transformers' ``generate`` on the same tiny Ll
 layout (vocabulary split) draws the same tokens as one device; the temperature / top-k / top-p
 filters equal transformers' logits warpers; rows stop at EOS and are padded; prompts of different
 lengths in one left-padded batch equal transformers' left-padded ``generate`` and each prompt
-generated alone (one device and FSDP x TP); ``cache_bytes`` is what a cache holds on each device;
+generated alone (one device and FSDP x TP), their logits each row's alone, sampled with a seed per
+row each row's tokens alone (ALiBi, sinks, soft-caps, latent attention, experts with a capacity per
+sequence), whatever the padding holds; ``cache_bytes`` is what a cache holds on each device;
 bad arguments are refused."""
 from __future__ import annotations
 
@@ -131,6 +133,9 @@ def test_ragged_batch_equals_transformers_left_padded_and_each_prompt_alone(mode
     assert not torch.equal(unmasked[:, 7:], got[:, 7:])
 
 
+SEEDS = [101, 102, 103, 104]
+
+
 def _device_ragged(cfg, params, tokens, mask):
     rules = llama.default_rules()
     with fpp.use_rules(rules):
@@ -139,7 +144,8 @@ def _device_ragged(cfg, params, tokens, mask):
                                                    fpp.current_rank()), decls)
         forward = functools.partial(llama.forward, cfg=cfg)
         return (generate(forward, local, tokens, attention_mask=mask, max_new_tokens=6),
-                generate(forward, local, tokens, attention_mask=mask, max_new_tokens=6, temperature=0.9, seed=2))
+                generate(forward, local, tokens, attention_mask=mask, max_new_tokens=6, temperature=0.9, seed=2),
+                generate(forward, local, tokens, attention_mask=mask, max_new_tokens=6, temperature=0.9, seed=SEEDS))
 
 
 def test_ragged_batch_under_fsdp_tp_equals_one_device(model):
@@ -147,8 +153,127 @@ def test_ragged_batch_under_fsdp_tp_equals_one_device(model):
     tokens, mask = left_padded(RAGGED, pad_id=0)
     greedy = _ours(cfg, params, tokens, attention_mask=mask, max_new_tokens=6)
     sampled = _ours(cfg, params, tokens, attention_mask=mask, max_new_tokens=6, temperature=0.9, seed=2)
-    for g, s in fpp.launch(functools.partial(_device_ragged, cfg, params, tokens, mask), fpp.Mesh(dp_shard=2, tp=2)):
-        assert torch.equal(g, greedy) and torch.equal(s, sampled)
+    per_row = _ours(cfg, params, tokens, attention_mask=mask, max_new_tokens=6, temperature=0.9, seed=SEEDS)
+    for g, s, r in fpp.launch(functools.partial(_device_ragged, cfg, params, tokens, mask),
+                              fpp.Mesh(dp_shard=2, tp=2)):
+        assert torch.equal(g, greedy) and torch.equal(s, sampled) and torch.equal(r, per_row)
+
+
+def test_a_seed_per_row_draws_each_rows_tokens_alone(model):
+    """A ragged left-padded batch with a seed per row gives each row the tokens it draws alone
+    (unpadded, its seed), in any order of the rows; one int seed is one stream for the batch."""
+    _, cfg, params = model
+    tokens, mask = left_padded(RAGGED, pad_id=0)
+    kw = dict(max_new_tokens=10, temperature=1.0)
+    got = _ours(cfg, params, tokens, attention_mask=mask, seed=SEEDS, **kw)[:, 7:]
+    for i, p in enumerate(RAGGED):
+        alone = _ours(cfg, params, torch.tensor([p]), seed=[SEEDS[i]], **kw)
+        assert got[i].tolist() == alone[0, len(p):].tolist(), i
+    order = [2, 0, 3, 1]
+    shuffled, shuffled_mask = left_padded([RAGGED[i] for i in order], pad_id=0)
+    again = _ours(cfg, params, shuffled, attention_mask=shuffled_mask, seed=[SEEDS[i] for i in order], **kw)
+    assert torch.equal(again[:, shuffled.size(1):], got[order])
+    twice = _ours(cfg, params, torch.tensor([RAGGED[0]] * 2), seed=SEEDS[:2], **kw)
+    assert not torch.equal(twice[0], twice[1])                            # each seed its own draws
+    assert not torch.equal(_ours(cfg, params, tokens, attention_mask=mask, seed=SEEDS[0], **kw)[:, 7:], got)
+    with pytest.raises(ValueError, match=r"one seed per row \(4 rows\), got 3 seeds"):
+        _ours(cfg, params, tokens, attention_mask=mask, seed=SEEDS[:3], **kw)
+
+
+FAMILIES = {"alibi": dict(alibi_max=8.0), "sinks_softcap": dict(attn_sinks=True, attn_softcap=20.0, final_softcap=30.0),
+            "latent": dict(kv_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+                           head_dim=16),
+            "moe": dict(experts=4, experts_top_k=2, moe_mlp=32),
+            "moe_capacity": dict(experts=4, experts_top_k=2, moe_mlp=32, capacity_factor=1.0)}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_each_familys_padded_rows_draw_their_tokens_alone(family):
+    """ALiBi (its bias from key positions), attention sinks and soft-caps, latent attention,
+    experts dropless and with a capacity per sequence (a row's padding takes no slot, its
+    capacity is its own tokens'): a ragged left-padded batch's tokens, greedy and with a seed per
+    row, are each row's alone."""
+    from functional_pp.core.tree import tree_map
+    cfg = llama.Config(**{**dict(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, mlp=64), **FAMILIES[family]})
+    with torch.no_grad():        # weights large enough that the tokens depend on what is attended
+        params = tree_map(lambda x: x if x.dims == ("hidden",) else x * 8, fpp.init(llama.init, cfg, seed=0))
+    forward = functools.partial(llama.forward, cfg=cfg)
+    tokens, mask = left_padded(RAGGED, pad_id=0)
+    for kw in (dict(), dict(temperature=1.0, seed=SEEDS)):
+        got = generate(forward, params, tokens, attention_mask=mask, max_new_tokens=8, **kw)[:, 7:]
+        for i, p in enumerate(RAGGED):
+            own = {**kw, "seed": SEEDS[i]} if kw else kw
+            alone = generate(forward, params, torch.tensor([p]), max_new_tokens=8, **own)[0, len(p):]
+            assert got[i].tolist() == alone.tolist(), (family, kw, i)
+
+
+def _device_capacity_experts(cfg, whole, tokens, mask):
+    rules = llama.default_rules()
+    with fpp.use_rules(rules):
+        decls = llama.init(cfg, torch.float32)
+        local = sharding.named_tree(sharding.shard(whole, decls, current_context().mesh, rules, fpp.current_rank()),
+                                    decls)
+        return generate(functools.partial(llama.forward, cfg=cfg), local, tokens, attention_mask=mask,
+                        max_new_tokens=6, temperature=1.0, seed=SEEDS)
+
+
+def test_capacity_experts_padding_under_fsdp_tp_equals_one_device():
+    """The rows' padding, split over dp_shard with the rows, still takes no expert slot."""
+    from functional_pp.core.tree import tree_map
+    cfg = llama.Config(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, mlp=64, **FAMILIES["moe_capacity"])
+    with torch.no_grad():
+        params = tree_map(lambda x: x if x.dims == ("hidden",) else x * 8, fpp.init(llama.init, cfg, seed=0))
+    tokens, mask = left_padded(RAGGED, pad_id=0)
+    want = generate(functools.partial(llama.forward, cfg=cfg), params, tokens, attention_mask=mask, max_new_tokens=6,
+                    temperature=1.0, seed=SEEDS)
+    whole = tree_map(lambda x: x.value(), params)
+    for got in fpp.launch(functools.partial(_device_capacity_experts, cfg, whole, tokens, mask),
+                          fpp.Mesh(dp_shard=2, tp=2)):
+        assert torch.equal(got, want)
+
+
+def _cached_logits(cfg, params, tokens, mask, fed):
+    """The last position's logits of the prompt's forward and of one cached step feeding ``fed``."""
+    from functional_pp.models.kv_cache import KVCache, caching
+    from functional_pp.models.sampling import last_logits
+    from functional_pp.parallel.reshard import named
+    p = sharding.named_tree(params, llama.init(cfg, torch.float32))
+    pads = (mask == 0).sum(1)
+    cache = KVCache(named(pads, "batch") if bool(pads.any()) else None)
+    with torch.no_grad(), caching(cache):
+        first = last_logits(llama.forward(p, named(tokens, "batch seq"), cfg))
+        second = last_logits(llama.forward(p, named(fed[:, None], "batch seq"), cfg))
+    return first, second
+
+
+def test_padded_rows_logits_equal_each_row_alone(model):
+    """The prompt's and a cached step's logits of each left-padded row are its own unpadded
+    row's within fp32 round-off."""
+    _, cfg, params = model
+    tokens, mask = left_padded(RAGGED, pad_id=0)
+    fed = torch.tensor([3, 9, 27, 50])
+    first, second = _cached_logits(cfg, params, tokens, mask, fed)
+    for i, p in enumerate(RAGGED):
+        row = torch.tensor([p])
+        own_first, own_second = _cached_logits(cfg, params, row, torch.ones_like(row), fed[i:i + 1])
+        torch.testing.assert_close(first[i], own_first[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(second[i], own_second[0], rtol=1e-5, atol=1e-5)
+    assert first.std(0).mean() > 0.1                                      # the rows' logits differ
+
+
+def test_the_padding_is_never_attended(model):
+    """Another pad id, or random tokens on the padding, leave every row's tokens as they were
+    (greedy and sampled with a seed per row)."""
+    _, cfg, params = model
+    tokens, mask = left_padded(RAGGED, pad_id=0)
+    noise = torch.randint(1, KW["vocab_size"], tokens.shape, generator=torch.Generator().manual_seed(5))
+    others = [left_padded(RAGGED, pad_id=KW["vocab_size"] - 1)[0], torch.where(mask.bool(), tokens, noise)]
+    assert not torch.equal(others[1], tokens)
+    for kw in (dict(), dict(temperature=1.0, top_p=0.9, seed=SEEDS)):
+        want = _ours(cfg, params, tokens, attention_mask=mask, max_new_tokens=8, **kw)[:, 7:]
+        for other in others:
+            got = _ours(cfg, params, other, attention_mask=mask, max_new_tokens=8, **kw)[:, 7:]
+            assert torch.equal(got, want), kw
 
 
 def test_bad_attention_masks_are_refused(model):
@@ -254,5 +379,10 @@ def test_sliding_window_equals_transformers_sliding_cache(mistral):
     got = _ours(cfg, params, tokens, attention_mask=mask, max_new_tokens=6)
     assert torch.equal(got, want)
     sampled = _ours(cfg, params, tokens, attention_mask=mask, max_new_tokens=6, temperature=0.9, seed=2)
-    for g, s in fpp.launch(functools.partial(_device_ragged, cfg, params, tokens, mask), fpp.Mesh(dp_shard=2, tp=2)):
-        assert torch.equal(g, got) and torch.equal(s, sampled)
+    per_row = _ours(cfg, params, tokens, attention_mask=mask, max_new_tokens=6, temperature=0.9, seed=SEEDS)
+    for i, p in enumerate(RAGGED):                             # each row's window counted from its own tokens
+        alone = _ours(cfg, params, torch.tensor([p]), max_new_tokens=6, temperature=0.9, seed=SEEDS[i])
+        assert per_row[i, 7:].tolist() == alone[0, len(p):].tolist(), i
+    for g, s, r in fpp.launch(functools.partial(_device_ragged, cfg, params, tokens, mask),
+                              fpp.Mesh(dp_shard=2, tp=2)):
+        assert torch.equal(g, got) and torch.equal(s, sampled) and torch.equal(r, per_row)

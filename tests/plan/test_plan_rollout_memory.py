@@ -116,8 +116,8 @@ def _ebft_cfg(base_dir, documents: int) -> TrainConfig:
 
 
 def test_ebft_rollout_is_documents_by_samples_at_the_last_anchor(base_dir):
-    """EBFT samples each anchor's block in one call of the step's documents x samples rows; the
-    largest is at the last anchor (12 of a 16-token document: anchors 4, 8, 12)."""
+    """EBFT's sampling calls hold at most the cache of the step's documents x samples rows at the
+    last anchor (12 of a 16-token document: anchors 4, 8, 12; ebft_rollout.call_tokens)."""
     cfg = _ebft_cfg(base_dir, 4)
     mesh = cfg.mesh(1)
     est = planned_estimate(cfg, mesh, cfg.build_rules(mesh), model_config(cfg))

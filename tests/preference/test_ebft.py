@@ -4,7 +4,8 @@ on a tiny Llama; the anchors, block features, whitening, rewards and advantages
 (functional_pp/preference/ebft.py) of fixed samples equal the paper's formulas re-derived here
 from transformers' hidden states (the whitening through an eigendecomposition of the samples'
 Gram matrix, the rewards and advantages sample by sample); the rollout samples each block from the
-document before its anchor (transformers' greedy continuation at a temperature near 0); the loss
+document before its anchor (transformers' greedy continuation at a temperature near 0), its
+bounded sampling calls drawing what one call does; the loss
 and gradients of the batch equal their re-derivation on transformers, and FSDP x TP with
 accumulation and two gloo processes equal one device."""
 from __future__ import annotations
@@ -367,6 +368,39 @@ def test_the_rollout_samples_each_block_from_the_document_before_its_anchor(mode
                               eos_token_id=None, pad_token_id=PAD)[0, a:]
             for j in range(2):
                 assert samples[b, j].tolist() == want.tolist(), (a, j)
+
+
+def test_the_rollouts_bounded_calls_sample_what_one_call_does(model, monkeypatch):
+    """Sampled (temperature 1): the rollout's calls (several, each at most the last anchor's
+    cache) give every block the samples of all the step's rows in one left-padded call."""
+    import dataclasses
+
+    from functional_pp.preference import rollout
+    from functional_pp.preference.ebft_rollout import ebft_rollout
+    _, cfg, params, _ = model
+    spec = dataclasses.replace(SPEC, temperature=1.0, n_samples_per_prompt=2)
+    docs = _documents()
+    layers = ebft.feature_layer_indices(spec.feature_layers, cfg.layers)
+    calls = []
+
+    def counted(*args, **kw):
+        calls.append(args[2].shape)
+        return generate(*args, **kw)
+    generate = rollout.generate
+    monkeypatch.setattr(rollout, "generate", counted)
+    with torch.no_grad():
+        r = ebft_rollout(lambda p, t: llama.forward(p, t, cfg), params, docs, spec,
+                         lambda rows: _layer_states(params, cfg, layers, rows), pad_id=PAD, key=3, step=1)
+        prompts = [list(d.tokens[:a]) for d, anchors in zip(docs, r.anchors) for a in anchors]
+        bounded = len(calls)
+        assert 1 < bounded < len(prompts)
+        assert all(b * (t + GEN) <= 2 * 2 * (max(map(len, prompts)) + GEN) for b, t in calls)
+        one, _ = rollout.sample_completions(lambda p, t: llama.forward(p, t, cfg), params, prompts, num_generations=2,
+                                            max_completion_length=GEN, stop_ids=[], pad_id=PAD, temperature=1.0,
+                                            key=3, step=1)
+    assert len(calls) == bounded + 1 and calls[-1][0] == len(prompts) * 2     # (the one call: every row)
+    assert torch.cat(r.samples).reshape(-1, GEN).tolist() == one
+    assert len({tuple(x) for x in one}) > len(one) // 2                      # sampled, not one token repeated
 
 
 def test_models_the_block_parallel_rows_cannot_take_are_named(model):

@@ -1,6 +1,7 @@
 """GRPO's online pieces (functional_pp/preference/rollout.py, grpo_spec.py) composed equal a
-hand-composed reference on transformers' tiny Llama: the completions sampled per prompt-length
-group with the step's seeds and cut at the stop token, the reward functions called with TRL's
+hand-composed reference on transformers' tiny Llama: the completions (one left-padded generate
+call for prompts of different lengths) equal to each row sampled alone with its row's seed and cut
+at the stop token, the reward functions called with TRL's
 signature and the dataset's columns, the weighted rewards and group-normalised advantages by
 TRL's formula, and the loss and gradients of the rollout's batch equal to TRL's
 ``_compute_loss`` on transformers' log-probabilities of the same completions (with the KL to a
@@ -95,14 +96,13 @@ def test_rollout_and_loss_equal_a_hand_composed_reference(model):
     r = rollout(forward, named, PROMPTS, spec, Tok(stop), [("hits", _hits), ("words", _words)], stop_ids=[stop],
                 pad_id=0, key=7, step=2)
 
-    # by hand: one generate call per prompt length (shortest first), each cut after its first stop token
-    want: list = [None] * (3 * G)
-    for part, (length, rows) in enumerate([(2, range(G, 2 * G)), (3, [*range(G), *range(2 * G, 3 * G)])]):
-        ids = torch.tensor([PROMPTS[i // G].ids for i in rows])
-        out = generate(forward, named, ids, max_new_tokens=MAXC, eos_id=stop, pad_id=0, temperature=1.3, top_k=12,
-                       seed=generation_seed(7, 2, part))[:, length:].tolist()
-        for i, t in zip(rows, out):
-            want[i] = t[:t.index(stop) + 1] if stop in t else t
+    # by hand: each row sampled alone (its prompt unpadded, its own seed), cut after its first stop token
+    want: list = []
+    for i in range(3 * G):
+        ids = torch.tensor([PROMPTS[i // G].ids])
+        t = generate(forward, named, ids, max_new_tokens=MAXC, eos_id=stop, pad_id=0, temperature=1.3, top_k=12,
+                     seed=generation_seed(7, 2, i))[0, ids.size(1):].tolist()
+        want.append(t[:t.index(stop) + 1] if stop in t else t)
     assert r.completion_ids == want
     assert r.truncated == [stop not in c for c in want]
     assert 0 < sum(r.truncated) < 3 * G                       # both kinds of completion occur
