@@ -13,7 +13,10 @@ on the 20 M model; docs/memory.md "Donated state"):
 
 :func:`inductor_patches` turns the first off and restores graph order after fusion: fused
 kernels sorted by their *latest* member's position in the graph, then topologically sorted
-(the order autograd produced: each weight gradient right after its layer's input gradient)."""
+(the order autograd produced: each weight gradient right after its layer's input gradient).
+It also turns off inductor's peak-memory reorder, which runs after every other pass and, on a
+whole step, moved the tied head's weight gradient after every layer's backward (the logits'
+gradient alive through them: 1.11x plain torch's compiled peak instead of 0.97x)."""
 from __future__ import annotations
 
 from typing import Any
