@@ -13,7 +13,9 @@ fp32 master weights, AdamW, donated state; ``--functional-compile per_layer`` co
 layer instead, as the first H200 run had to on torch 2.11); ``functional_eager`` the same step uncompiled (1B
 row only); ``plain`` the ``nn.Module`` of ``benchmarks/single_device.py`` with fp32
 parameters, ``torch.autocast(bf16)``, ``torch.compile`` of forward + loss and
-``torch.optim.AdamW(fused=True)``. Same weights, same batch; the first-step losses must agree
+``torch.optim.AdamW(fused=True)``; with ``--loss-chunk-bytes N``, ``functional_chunked``: the
+compiled step with the LM head and loss over token chunks (``Config.loss_chunk_bytes``), the
+memory lever issue 38 names for 128k vocabularies. Same weights, same batch; the first-step losses must agree
 within 2e-2 (bf16) before anything is timed, and the functional step's first losses on the
 device must equal the same steps in fp32 on the CPU within 2e-2 (``reference``).
 
@@ -208,6 +210,26 @@ def reference_check(cfg, args) -> dict:
     return {"batch": batch, "seq": seq, **{f"{k}_losses": v for k, v in losses.items()}, "max_rel_diff": rel}
 
 
+def side_makers(cfg, args, seq: int, eager: bool) -> dict:
+    """The row's sides, each a function building its runner: ``functional`` and ``plain``,
+    ``functional_eager`` where the row has it, and with ``--loss-chunk-bytes N``
+    ``functional_chunked``: the functional step with the LM head and loss over token chunks of N
+    bytes of fp32 logits (``Config.loss_chunk_bytes``; same compile as ``functional``)."""
+    device = args.device
+
+    def functional(c, backend, mode="step"):
+        return lambda: Functional(c, fpp.init(llama.init, c, seed=0, device=device), backend, device, mode=mode)
+    makers = {"functional": functional(cfg, args.compile_backend, args.functional_compile),
+              "plain": lambda: Plain(cfg, fpp.init(llama.init, cfg, seed=0, device=device), args.compile_backend,
+                                     device, seq)}
+    if eager:
+        makers["functional_eager"] = functional(cfg, None)
+    if args.loss_chunk_bytes:
+        makers["functional_chunked"] = functional(dataclasses.replace(cfg, loss_chunk_bytes=args.loss_chunk_bytes),
+                                                  args.compile_backend, args.functional_compile)
+    return makers
+
+
 def run_row(name: str, args, peak: float, spec) -> dict:
     device, row = args.device, ROWS[name]
     cfg = model_config(name, args)
@@ -219,13 +241,7 @@ def run_row(name: str, args, peak: float, spec) -> dict:
                      "mlp": cfg.mlp, "vocab": cfg.vocab, "tied": cfg.tie_embeddings,
                      "params": fpp.count_params(llama.init(cfg))},
            "batch": bsz, "seq": seq, "tokens_per_step": tokens, "flops_per_token": flops}
-    makers = {"functional": lambda: Functional(cfg, fpp.init(llama.init, cfg, seed=0, device=device),
-                                               args.compile_backend, device, mode=args.functional_compile),
-              "plain": lambda: Plain(cfg, fpp.init(llama.init, cfg, seed=0, device=device), args.compile_backend,
-                                     device, seq)}
-    if row["eager"]:
-        makers["functional_eager"] = lambda: Functional(cfg, fpp.init(llama.init, cfg, seed=0, device=device),
-                                                        None, device)
+    makers = side_makers(cfg, args, seq, row["eager"])
     runners = {}
     for side, make in makers.items():
         print(f"gpu.py: {name} {side}: building and compiling", file=sys.stderr, flush=True)
@@ -266,6 +282,11 @@ def run_row(name: str, args, peak: float, spec) -> dict:
     out["tokens_per_s_ratio"] = f["tokens_per_s"] / p["tokens_per_s"]
     if "functional_eager" in out:
         out["eager_tokens_per_s_ratio"] = out["functional_eager"]["tokens_per_s"] / p["tokens_per_s"]
+    if "tokens_per_s" in out.get("functional_chunked", {}):
+        c = out["functional_chunked"]
+        out["chunked_tokens_per_s_ratio"] = c["tokens_per_s"] / p["tokens_per_s"]
+        out["chunked_peak_memory_ratio"] = (c["peak_memory_bytes"] / p["peak_memory_bytes"]
+                                            if c["peak_memory_bytes"] and p["peak_memory_bytes"] else None)
     out["peak_memory_ratio"] = (f["peak_memory_bytes"] / p["peak_memory_bytes"]
                                 if f["peak_memory_bytes"] and p["peak_memory_bytes"] else None)
     return out
@@ -312,6 +333,9 @@ def parse_args(argv=None):
     ap.add_argument("--compile-backend", default=None, help="torch.compile backend (default inductor; smoke aot_eager)")
     ap.add_argument("--functional-compile", choices=("step", "per_layer"), default="step",
                     help="the functional side's compile: the whole step (default) or each layer")
+    ap.add_argument("--loss-chunk-bytes", type=int, default=0,
+                    help="also time the functional step with the LM head and loss over token chunks of this many "
+                         "bytes of fp32 logits (side functional_chunked; default 0: not run)")
     ap.add_argument("--matmul-size", type=int, default=None, help="matmul side for the peak (default 8192)")
     ap.add_argument("--json", default=None, help="also write the result to this file (after every row)")
     args = ap.parse_args(argv)
@@ -331,6 +355,8 @@ def parse_args(argv=None):
         ap.error("no CUDA device: this benchmark measures one GPU (use --smoke to try it on CPU)")
     if args.warmup < 1 or args.steps < 1:
         ap.error("--warmup and --steps must be >= 1")
+    if args.loss_chunk_bytes < 0:
+        ap.error("--loss-chunk-bytes must be >= 0 (0: no chunked side)")
     return args
 
 

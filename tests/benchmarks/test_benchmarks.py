@@ -55,6 +55,25 @@ def test_gpu_benchmark_compiles_the_whole_functional_step_unless_told_per_layer(
     assert gpu.parse_args(["--smoke"]).functional_compile == "step"
 
 
+def test_gpu_benchmark_times_a_chunked_loss_side_when_asked(monkeypatch):
+    """``--loss-chunk-bytes N`` adds ``functional_chunked``: the same compiled step with the model's
+    ``loss_chunk_bytes`` set; without it the row's sides are as before."""
+    built = []
+    monkeypatch.setattr(gpu, "Functional", lambda cfg, params, backend, device, mode="step":
+                        built.append((cfg.loss_chunk_bytes, backend, mode)))
+    monkeypatch.setattr(gpu.fpp, "init", lambda *a, **kw: None)
+    cfg = gpu.llama.Config.tiny()
+    plain = gpu.side_makers(cfg, gpu.parse_args(["--smoke"]), 32, eager=True)
+    assert set(plain) == {"functional", "plain", "functional_eager"}
+    makers = gpu.side_makers(cfg, gpu.parse_args(["--smoke", "--loss-chunk-bytes", "4096"]), 32, eager=False)
+    assert set(makers) == {"functional", "plain", "functional_chunked"}
+    makers["functional"]()
+    makers["functional_chunked"]()
+    assert built == [(cfg.loss_chunk_bytes, "aot_eager", "step"), (4096, "aot_eager", "step")]
+    with pytest.raises(SystemExit):
+        gpu.parse_args(["--smoke", "--loss-chunk-bytes", "-1"])
+
+
 class _NoInit:
     def init(self, params):
         return params
