@@ -5,6 +5,8 @@ of the rollout's and the step's, and ``plan`` fits layouts by it. Oracle: a real
 the memory tracker as the generation tests measure ``generate``."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import optree
 import pytest
 import torch
@@ -31,18 +33,9 @@ GRPO = dict(rl="grpo", sequence_len=64, micro_batch_size=1, gradient_accumulatio
 ONE = Space(max_axis={"tp": 1, "cp": 1}, precision="bf16", remat=(True,), keep_gathered=(False,), micro_batch_sizes=(1,))
 
 
-def _cfg(base_dir, **kw) -> TrainConfig:
-    return TrainConfig.from_dict({**GRPO, "base_model": str(base_dir), **kw}, name="rollout")
-
-
-def test_rollout_estimate_holds_a_measured_rollouts_cache(base_dir, monkeypatch):
-    """A real rollout of the config's 4 prompts x 4 generations (16 rows, 16 prompt + 48 new
-    tokens, bf16) holds a cache of 16 x 63 positions (an eager ``generate`` stores every position
-    but the last sampled), the estimate's (the eager model's: a static cache of 64 positions and
-    its forwards were 33% high); the real peak above the weights lies within 20% under the
-    estimate's cache + forward, or over it by at most the host's sampling tensors (rows x vocab
-    ``logits.float().cpu()`` and probabilities, the drawn ids and done flags: on a GPU not the
-    device's)."""
+@contextmanager
+def _recorded_caches():
+    """The key / value caches ``generate`` makes inside the block, in a list."""
     from functional_pp.models import kv_cache, sampling
     caches = []
 
@@ -50,7 +43,25 @@ def test_rollout_estimate_holds_a_measured_rollouts_cache(base_dir, monkeypatch)
         def __init__(self, *a, **kw):
             super().__init__(*a, **kw)
             caches.append(self)
-    monkeypatch.setattr(sampling, "KVCache", Recorded)
+    sampling.KVCache = Recorded
+    try:
+        yield caches
+    finally:
+        sampling.KVCache = kv_cache.KVCache
+
+
+def _cfg(base_dir, **kw) -> TrainConfig:
+    return TrainConfig.from_dict({**GRPO, "base_model": str(base_dir), **kw}, name="rollout")
+
+
+def test_rollout_estimate_holds_a_measured_rollouts_cache(base_dir):
+    """A real rollout of the config's 4 prompts x 4 generations (16 rows, 16 prompt + 48 new
+    tokens, bf16) holds a cache of 16 x 63 positions (an eager ``generate`` stores every position
+    but the last sampled), the estimate's (the eager model's: a static cache of 64 positions and
+    its forwards were 33% high); the real peak above the weights lies within 20% under the
+    estimate's cache + forward, or over it by at most the host's sampling tensors (rows x vocab
+    ``logits.float().cpu()`` and probabilities, the drawn ids and done flags: on a GPU not the
+    device's)."""
     cfg = _cfg(base_dir)
     mesh, model_cfg = fpp.Mesh(), model_config(cfg)
     gen = estimate_rollout(cfg, mesh, cfg.build_rules(mesh), model_cfg, 16, torch.bfloat16)
@@ -61,7 +72,7 @@ def test_rollout_estimate_holds_a_measured_rollouts_cache(base_dir, monkeypatch)
     leaves = [x.data for x in optree.tree_leaves(params)]
     weights = sum(t.numel() * t.element_size() for t in leaves)
     tracker = MemoryTracker({"weights": weights}, leaves, timeline=False)
-    with tracker:
+    with _recorded_caches() as caches, tracker:
         sample_completions(policy, params, [[1 + i] * 16 for i in range(4)], num_generations=4,
                            max_completion_length=48, stop_ids=[], pad_id=0)
     (cache,) = caches
@@ -200,22 +211,11 @@ def test_validate_memory_counts_the_scoring_forward(base_dir):
 def _device_rollout_cache(full, decls, policy, rules) -> int:
     """The bytes of the cache this device's real rollout holds (16 rows over dp, 16 + 48 tokens)."""
     from functional_pp.core.runtime import current_context
-    from functional_pp.models import kv_cache, sampling
     from functional_pp.parallel.shard_map import use_rules
-    caches = []
-
-    class Recorded(kv_cache.KVCache):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            caches.append(self)
-    sampling.KVCache = Recorded
-    try:
-        with use_rules(rules):
-            local = sharding.shard(full, decls, current_context().mesh, rules, fpp.current_rank())
-            sample_completions(policy, sharding.named_tree(local, decls), [[1 + i] * 16 for i in range(4)],
-                               num_generations=4, max_completion_length=48, stop_ids=[], pad_id=0, row_multiple=2)
-    finally:
-        sampling.KVCache = kv_cache.KVCache
+    with _recorded_caches() as caches, use_rules(rules):
+        local = sharding.shard(full, decls, current_context().mesh, rules, fpp.current_rank())
+        sample_completions(policy, sharding.named_tree(local, decls), [[1 + i] * 16 for i in range(4)],
+                           num_generations=4, max_completion_length=48, stop_ids=[], pad_id=0, row_multiple=2)
     (cache,) = caches
     return cache.nbytes()
 
@@ -267,7 +267,6 @@ def _pipelined_rollout(decls, trainable, loss, policy, rules, family, model_cfg)
     from functional_pp import optim
     from functional_pp.app.pipeline_parts import pipeline_parts
     from functional_pp.core.runtime import current_context
-    from functional_pp.models import kv_cache, sampling
     from functional_pp.parallel.shard_map import use_rules
     from functional_pp.step.pipeline import pipeline_step
     layers, first, last = pipeline_parts(family, model_cfg)
@@ -276,25 +275,15 @@ def _pipelined_rollout(decls, trainable, loss, policy, rules, family, model_cfg)
     state = step.init(fpp.init(lambda: decls, mesh=current_context().mesh, rules=rules, seed=0))
     own = [getattr(x, "data", x) for x in optree.tree_leaves(state["params"])]
     held = sum(t.numel() * t.element_size() for t in own)
-    caches = []
-
-    class Recorded(kv_cache.KVCache):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            caches.append(self)
-    sampling.KVCache = Recorded
-    try:
-        tracker = MemoryTracker({"weights": held}, own, timeline=False)
-        with tracker:
-            whole = step.logical_params(state["params"])
-            mine = {t.untyped_storage().data_ptr() for t in own}
-            gathered = sum(t.numel() * t.element_size() for t in (getattr(x, "data", x) for x in optree.tree_leaves(whole))
-                           if t.untyped_storage().data_ptr() not in mine)
-            with use_rules(grpo_run._sampling_rules(rules)), step.apply_policy():
-                sample_completions(policy, step.named_params(whole), [[1 + i] * 16 for i in range(4)],
-                                   num_generations=4, max_completion_length=48, stop_ids=[], pad_id=0)
-    finally:
-        sampling.KVCache = kv_cache.KVCache
+    tracker = MemoryTracker({"weights": held}, own, timeline=False)
+    with _recorded_caches() as caches, tracker:
+        whole = step.logical_params(state["params"])
+        mine = {t.untyped_storage().data_ptr() for t in own}
+        gathered = sum(t.numel() * t.element_size() for t in (getattr(x, "data", x) for x in optree.tree_leaves(whole))
+                       if t.untyped_storage().data_ptr() not in mine)
+        with use_rules(grpo_run._sampling_rules(rules)), step.apply_policy():
+            sample_completions(policy, step.named_params(whole), [[1 + i] * 16 for i in range(4)],
+                               num_generations=4, max_completion_length=48, stop_ids=[], pad_id=0)
     (cache,) = caches
     return gathered, cache.nbytes(), tracker.run.peak_bytes - held
 
