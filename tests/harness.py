@@ -401,7 +401,10 @@ def assert_lora_step_equals_peft(model, hf_dir, targets, count: int | None = Non
     assert grads.keys() == want.keys() and len(want) == (count or 2 * len(targets) * (layers or cfg.layers))
     for k in want:
         assert want[k].abs().max() > 0, k
-        torch.testing.assert_close(grads[k], want[k], rtol=1e-4, atol=1e-6, msg=lambda m: f"grad {k}: {m}")
+        # (fp32 round-off of two implementations is relative to the gradient's scale, not each
+        # element's: an element near zero may differ by 1e-6 of a gradient of order 0.1)
+        atol = max(1e-6, 1e-5 * float(want[k].abs().max()))
+        torch.testing.assert_close(grads[k], want[k], rtol=1e-4, atol=atol, msg=lambda m: f"grad {k}: {m}")
 
 
 def assert_fake_quant_equals_hf(model, hf_dir, qat, out_dir, acts_by: float) -> None:
