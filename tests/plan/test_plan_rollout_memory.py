@@ -165,7 +165,9 @@ def test_grpo_old_logps_forward_is_a_measured_one(base_dir):
     whole = {k: torch.randint(1, HF["vocab_size"], (16, 64), generator=g) for k in ("tokens", "labels")}
     sampler = grpo_run.GRPOSampler(grpo_run.grpo_settings(cfg), policy, None, [], 64, 0, [], 0)
     real = _measured_pass(decls, lambda params: sampler._logps(params, whole))
-    assert real <= gen.scoring_bytes <= real + 16 * 64 * 8, (real, gen.scoring_bytes)
+    # (over by the labels' copy, 16 x 64 int64, which the real pass makes later, and by a few
+    # hundred bytes of small tensors whose lifetimes vary from run to run: within 1%)
+    assert real <= gen.scoring_bytes <= 1.01 * real, (real, gen.scoring_bytes)
     assert gen.scoring_bytes > gen.sampling_bytes and gen.added_bytes == gen.cast_bytes + gen.scoring_bytes
     assert estimate_rollout(_cfg(base_dir), mesh, cfg.build_rules(mesh), model_cfg, 16, torch.bfloat16).scoring is None
 
