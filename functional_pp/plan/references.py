@@ -55,6 +55,7 @@ class Reference:
     notes: str = ""
     options: tuple = field(default=())
     float8: bool = False             # torchtitan's Float8 linear layers (dynamic tensorwise scaling)
+    float8_all_gather: bool = False  # and their weights' FSDP all-gathers in fp8 (enable_fsdp_float8_all_gather)
     async_tp: bool = False           # torchtitan's asynchronous TP (collectives fused with the matmuls)
     tp_comm_overlap: bool = False    # Megatron's --tp-comm-overlap (Transformer Engine's chunked overlap)
     distributed_optimizer: bool = False   # Megatron's distributed optimizer (ZeRO-1)
@@ -81,6 +82,7 @@ class Reference:
 
     def cost_options(self) -> dict:
         return {"compiled": self.compiled, "selective_ac": self.selective_ac, "float8": self.float8,
+                "float8_all_gather": self.float8_all_gather,
                 "activation_sums": "bfloat16", "async_tp": self.async_tp, "tp_comm_overlap": self.tp_comm_overlap,
                 "distributed_optimizer": self.distributed_optimizer, "fused_recompute": self.fused_recompute}
 
@@ -184,23 +186,22 @@ WHITEFIBER_MEMORY = ("held out: 5.1 GiB under at 64 GPUs (4.4 at 32); not modell
                      "of the weights and activations, the amax history), and whether the run set expandable_segments")
 
 
-def _whitefiber(nodes: int, tps: float, memory: float, tolerance: float, memory_tolerance: float = 0.10,
+def _whitefiber(nodes: int, tps: float, memory: float, memory_tolerance: float = 0.10,
                 memory_why: str = "") -> Reference:
     return Reference(f"8B FSDP {8 * nodes} on H200, compiled + Float8", "llama3_8b", (("dp_shard", 8 * nodes),), 2,
                      8192, tps, WHITEFIBER_2025, compiled=True, loss="fused", selective_ac="op", float8=True,
-                     split="held_out", cluster="h200x8", tolerance=tolerance,
-                     why="a later torch and torchtitan (June 2025) than the December 2024 runs the presets are "
-                         "fitted to: Float8 FSDP all-gathers and faster kernels, which the preset does not know",
+                     float8_all_gather=True, split="held_out", cluster="h200x8",
                      memory_gib=memory, memory_remat="selective_alternate", memory_tolerance=memory_tolerance,
                      memory_why=memory_why,
-                     notes=f"{nodes} hosts of 8 H200; FSDP over all; the loss compiled on its own (torchtitan "
+                     notes=f"{nodes} hosts of 8 H200; FSDP over all, the layers' weights gathered in fp8 "
+                           f"(--float8.enable_fsdp_float8_all_gather); the loss compiled on its own (torchtitan "
                            f"compiles it with the model since early 2025); memory dry-run with torchtitan's op-level "
                            f"policy, Float8's buffers not modelled")
 
 
 #: torchtitan's 8B rows on 32 and 64 H200 (June 2025): out of sample (hardware and software)
-LLAMA3_8B_H200 = (_whitefiber(4, 10938, 47.96, 0.06),
-                  _whitefiber(8, 10753, 46.97, 0.05, memory_tolerance=0.11, memory_why=WHITEFIBER_MEMORY))
+LLAMA3_8B_H200 = (_whitefiber(4, 10938, 47.96),
+                  _whitefiber(8, 10753, 46.97, memory_tolerance=0.11, memory_why=WHITEFIBER_MEMORY))
 
 GPU_H200 = ("this project's benchmarks/gpu.py on one H200 (torch 2.11.0+cu130, 2026-12-04; docs/gpu.md): the "
             "functional step eager, bf16 with fp32 masters, AdamW; the tokens/s of the timed steps as issue 44 "

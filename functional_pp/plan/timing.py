@@ -49,14 +49,21 @@ TP = "tp"
 _16BIT = ("bfloat16", "float16")
 
 
-def sent_bytes(e: TaggedEvent, *, float8: bool = False, activation_sums: str | None = None) -> int:
+def sent_bytes(e: TaggedEvent, *, float8: bool = False, activation_sums: str | None = None,
+               float8_all_gather: bool = False) -> int:
     """Bytes ``e`` sends in the run being costed: as the dry-run recorded them, except
     ``activation_sums="bfloat16"``: activation sums that the step widens to float32 (its
     ``reduce_dtype``; TP/SP reduce-scatters and all-reduces) sent in bf16, as torchtitan does;
     ``float8``: the layers' activation all-gathers in forward and in recomputation (the
     sequence-parallel gathers feeding the linear layers) sent in fp8, as torchtitan's Float8
-    tensor parallelism casts before gathering (the backward's gradient gathers stay bf16)."""
+    tensor parallelism casts before gathering (the backward's gradient gathers stay bf16);
+    ``float8_all_gather``: the layers' FSDP gathers of their matrix weights (not the norms' 1-D
+    ones; the embedding and the head are outside the layers) in fp8, in forward and backward
+    (torchao's ``enable_fsdp_float8_all_gather``: each shard cast before the gather)."""
     n = e.bytes_sent
+    if (float8_all_gather and e.kind == "all_gather" and e.weight_traffic and e.layer is not None
+            and e.dtype in _16BIT and len(e.shape) >= 2):
+        n //= 2
     if (activation_sums == "bfloat16" and e.widened and not e.weight_traffic
             and e.kind in ("all_reduce", "reduce_scatter")):
         n //= 2
@@ -126,7 +133,7 @@ def distributed_optimizer_events(e: TaggedEvent, sent: int, mesh: Mesh, param_dt
 def run_components(run: DeviceRun, mesh: Mesh, cl: Cluster, layer: int | None = "all", *,
                    compiled: bool = False, selective_ac: str | None = None, float8: bool = False,
                    activation_sums: str | None = None, distributed_optimizer: bool = False,
-                   fused_recompute: bool = False) -> dict[str, float]:
+                   fused_recompute: bool = False, float8_all_gather: bool = False) -> dict[str, float]:
     """Additive seconds of one run (so they extrapolate over layers): compute per phase
     (matrix products, attention, the other kernels' memory traffic) and communication per
     phase, split into critical-path and weight traffic, per collective. Work the devices of a mesh axis
@@ -134,7 +141,7 @@ def run_components(run: DeviceRun, mesh: Mesh, cl: Cluster, layer: int | None = 
     once per device: this device waits while the others do theirs. ``float8``: the
     layers' linear matmuls at the FP8 rate plus their operands' casts (torchtitan's Float8
     with dynamic tensorwise scaling; attention and the head stay bf16) and their activation
-    all-gathers in fp8; ``activation_sums``: see :func:`sent_bytes`; ``distributed_optimizer``:
+    all-gathers in fp8; ``activation_sums``, ``float8_all_gather``: see :func:`sent_bytes`; ``distributed_optimizer``:
     the data-parallel gradient all-reduces as :func:`distributed_optimizer_events`;
     ``fused_recompute``: what checkpointed regions recompute besides matmuls and attention moves
     no memory of its own (fused into the backward kernels that read it, as XLA does). ``async
@@ -181,7 +188,7 @@ def run_components(run: DeviceRun, mesh: Mesh, cl: Cluster, layer: int | None = 
     grouped: set = set()
     parts = []
     for e in run.events:
-        sent = sent_bytes(e, float8=float8, activation_sums=activation_sums)
+        sent = sent_bytes(e, float8=float8, activation_sums=activation_sums, float8_all_gather=float8_all_gather)
         parts += distributed_optimizer_events(e, sent, mesh) if distributed_optimizer else [(e, sent)]
     for e, sent in parts:
         if layer != "all" and (e.layer != layer or e.phase == "update"):
@@ -220,7 +227,7 @@ def hidable(cl: Cluster, weight: float, inter: float) -> float:
 def cost(est, cl: "Cluster | str", *, compiled: bool = False, selective_ac: str | None = None,
          float8: bool = False, activation_sums: str | None = None, async_tp: bool = False,
          tp_comm_overlap: bool = False, distributed_optimizer: bool = False,
-         fused_recompute: bool = False) -> "StepTime":
+         fused_recompute: bool = False, float8_all_gather: bool = False) -> "StepTime":
     """Step time, MFU and breakdown of ``est`` (a LayoutEstimate) on cluster ``cl``:
     compute = matmul FLOPs / (peak x compute efficiency) + attention FLOPs / (peak x
     attention efficiency) + the other kernels' bytes / (memory bandwidth x memory
@@ -230,7 +237,8 @@ def cost(est, cl: "Cluster | str", *, compiled: bool = False, selective_ac: str 
     backward); ``float8`` runs the
     layers' linear matmuls at ``peak_fp8_flops x float8_efficiency`` and adds their
     operands' casts to the memory traffic (attention and the head stay bf16) and sends the
-    layers' activation all-gathers in fp8; ``activation_sums="bfloat16"`` sends the TP/SP
+    layers' activation all-gathers in fp8; ``float8_all_gather`` (with ``float8``) also the
+    layers' FSDP weight all-gathers (torchao's Float8 FSDP all-gather); ``activation_sums="bfloat16"`` sends the TP/SP
     activation sums in bf16 rather than the step's float32 (torchtitan's);
     ``async_tp`` hides a fraction ``async_tp_overlap`` of the tensor-parallel activation
     all-gathers and reduce-scatters under the compute of their phase (torchtitan's async TP);
@@ -254,13 +262,16 @@ def cost(est, cl: "Cluster | str", *, compiled: bool = False, selective_ac: str 
     (embedding excluded) + 12 x layers x heads x head_dim x seq per token (causal attention
     counted as full), over step time x peak."""
     cl = as_cluster(cl)
+    if float8_all_gather and not float8:
+        raise ValueError("cost: float8_all_gather=True sends the Float8 linear layers' weights in fp8; it needs "
+                         "float8=True")
     if selective_ac is not None and est.settings.get("remat"):
         raise ValueError(f"cost: selective_ac={selective_ac!r} models recomputation on a dry-run without it, but "
                          f"this estimate ran remat={est.settings['remat']!r}, whose recomputation its backward "
                          f"already counts; drop selective_ac")
     comps = [run_components(r, est.mesh, cl, compiled=compiled, selective_ac=selective_ac, float8=float8,
                             activation_sums=activation_sums, distributed_optimizer=distributed_optimizer,
-                            fused_recompute=fused_recompute)
+                            fused_recompute=fused_recompute, float8_all_gather=float8_all_gather)
              for r in est.runs]
     keys = set().union(*comps)
     total = {k: est.extrapolate_values([c.get(k, 0.0) for c in comps]) for k in keys}
@@ -333,7 +344,8 @@ def cost(est, cl: "Cluster | str", *, compiled: bool = False, selective_ac: str 
         layer = max((e for e in last.flops_by_layer if e is not None), default=None)
         if layer is not None:
             per_layer = run_components(last, est.mesh, cl, layer, compiled=compiled, float8=float8,
-                                       activation_sums=activation_sums, distributed_optimizer=distributed_optimizer)
+                                       activation_sums=activation_sums, distributed_optimizer=distributed_optimizer,
+                                       float8_all_gather=float8_all_gather)
     return StepTime(step, compute, exposed, hidden, update, mfu, by_coll, per_layer, cl.placement(est.mesh), bubble,
                     p2p, host)
 

@@ -1,7 +1,7 @@
 """Full activation checkpointing in the dry-run and the time model's communication options
 (docs/planning.md, "Recomputation" and "Calibration"): backward's recomputation counted for
 the layer it recomputes, its collectives tagged as recomputation's, the TP/SP activation sums
-in bf16, Float8's fp8 activation gathers, async TP, a pipeline's FSDP traffic once per step."""
+in bf16, Float8's fp8 activation and weight gathers, async TP, a pipeline's FSDP traffic once per step."""
 import functools
 
 import pytest
@@ -97,6 +97,29 @@ def test_float8_sends_the_forward_and_recomputed_activation_gathers_in_fp8(full_
     assert 0 < halved < full_ac.extrapolate(lambda r: sum(e.bytes_sent for e in events(r)))
     ag = "tp all_gather (intra)"
     assert bf16.by_collective[ag] - fp8.by_collective[ag] == pytest.approx(halved / 2 / FLAT.intra_bandwidth, rel=1e-9)
+
+
+def test_float8_all_gather_sends_the_layers_weight_gathers_in_fp8(full_ac):
+    """``float8_all_gather`` (torchao's Float8 FSDP all-gather): the layers' FSDP gathers of
+    their matrix weights carry fp8, in forward, backward and recomputation; the norms' 1-D
+    weights, the embedding and the head (outside the layers), the gradients' reduce-scatters and
+    the activation gathers stay as ``float8`` alone sends them. It needs ``float8``."""
+    fp8 = plan.cost(full_ac, FLAT, float8=True)
+    both = plan.cost(full_ac, FLAT, float8=True, float8_all_gather=True)
+    gathers = lambda r: [e for e in r.events if e.kind == "all_gather" and e.weight_traffic]   # noqa: E731
+    halved = full_ac.extrapolate(lambda r: sum(e.bytes_sent for e in gathers(r)
+                                               if e.layer is not None and len(e.shape) >= 2))
+    kept = full_ac.extrapolate(lambda r: sum(e.bytes_sent for e in gathers(r)
+                                             if e.layer is None or len(e.shape) < 2))
+    assert halved > 0 and kept > 0 and {e.phase for r in full_ac.runs for e in gathers(r)} >= {"forward", "backward"}
+    ag = "dp_shard all_gather (intra)"
+    assert fp8.by_collective[ag] - both.by_collective[ag] == pytest.approx(halved / 2 / FLAT.intra_bandwidth,
+                                                                           rel=1e-9)
+    for k in fp8.by_collective:
+        if k != ag:
+            assert both.by_collective[k] == fp8.by_collective[k], k
+    with pytest.raises(ValueError, match="float8_all_gather=True .* needs float8=True"):
+        plan.cost(full_ac, FLAT, float8_all_gather=True)
 
 
 def test_async_tp_hides_its_fraction_of_the_tp_collectives(full_ac):
