@@ -180,17 +180,39 @@ def limit(leaves: list[torch.Tensor]) -> float:
     """The largest 2-norm a bound may show for new parameter leaves of these dtypes: a quarter of
     the square root of the smallest dtype's largest value (beyond it a leaf's 2-norm, the eager
     finiteness check, may overflow)."""
-    return min(torch.finfo(p.dtype).max for p in leaves) ** 0.5 / 4
+    return _per_dtypes(_limit, frozenset(p.dtype for p in leaves))
+
+
+def _limit(dtypes: frozenset) -> float:
+    return min(torch.finfo(d).max for d in dtypes) ** 0.5 / 4
 
 
 def margin(dtypes) -> float:
     """A quarter of half the spacing of the floats at the largest finite value of the narrowest of
     these dtypes (fp32: 2**101): a finite value of that dtype plus a term below this rounds to a
-    finite value, even after a second rounding from fp32 to a 16-bit dtype."""
+    finite value, even after a second rounding from fp32 to a 16-bit dtype. Derived once per set
+    of dtypes (every eager step asks; ``torch.finfo`` per leaf cost about 0.1 ms a step)."""
+    return _per_dtypes(_margin, frozenset(dtypes))
+
+
+def _margin(dtypes: frozenset) -> float:
     def half_ulp_at_max(dtype: torch.dtype) -> float:
         info = torch.finfo(dtype)
         return math.ldexp(info.eps, math.frexp(info.max)[1] - 2)
     return min(half_ulp_at_max(d) for d in dtypes) / 4
+
+
+_PER_DTYPES: dict = {}      # (function, dtypes) -> its value: eager steps derive it once
+
+
+def _per_dtypes(fn: Callable[[frozenset], float], dtypes: frozenset) -> float:
+    """``fn(dtypes)``, kept across eager calls (traced: computed, nothing kept across traces)."""
+    if is_tracing():
+        return fn(dtypes)
+    value = _PER_DTYPES.get((fn, dtypes))
+    if value is None:
+        value = _PER_DTYPES[(fn, dtypes)] = fn(dtypes)
+    return value
 
 
 def adamw_bound(lr: ScalarOrSchedule, b1: float, eps: float, weight_decay: float) -> UpdateBound:

@@ -63,11 +63,13 @@ def own_buffers(grads: list[torch.Tensor], params: list[torch.Tensor]) -> list[t
     taken: dict[int, list[tuple[int, int]]] = {}      # storage -> byte spans given out, sorted
     out = []
     for g in grads:
-        ptr = physical(g).untyped_storage().data_ptr()
-        span = _byte_span(physical(g))
-        if ptr in params_at or not physical(g).is_contiguous() or _overlaps(taken.get(ptr, ()), span):
+        local = physical(g)
+        ptr = local.untyped_storage().data_ptr()
+        span = _byte_span(local)
+        if ptr in params_at or not local.is_contiguous() or _overlaps(taken.get(ptr, ()), span):
             g = g.clone(memory_format=torch.contiguous_format)
-            ptr, span = physical(g).untyped_storage().data_ptr(), _byte_span(physical(g))
+            local = physical(g)
+            ptr, span = local.untyped_storage().data_ptr(), _byte_span(local)
         if span[0] < span[1]:
             bisect.insort(taken.setdefault(ptr, []), span)
         out.append(g)
