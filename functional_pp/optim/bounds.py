@@ -243,6 +243,7 @@ def adamw_bound(lr: ScalarOrSchedule, b1: float, eps: float, weight_decay: float
         if not ps:
             return torch.ones((), dtype=torch.bool)
         rate, bc1 = _rate_and_bias_correction(lr, b1, state)
+        rate = torch.tensor(rate, dtype=torch.float64) if isinstance(rate, float) else rate
         shrink = torch.clamp((1.0 - rate * weight_decay).abs(), min=1.0)     # (masked leaves: no decay)
         return (bc1 > 0) & ((shrink + 2.0 * rate.abs() / bc1 / eps) * n.to(torch.float64) < limit(ps))
 
@@ -318,22 +319,28 @@ def _decay_bounded(lr: ScalarOrSchedule, b1: float, eps: float, weight_decay: fl
         step = n.to(torch.float64) * (1.0 + ROUNDING_SLACK) / (bc1 * eps)   # bounds every |a|
         step = step * max(1.0, eps)      # (and the fused kernel's lr / bc1 * m' before it divides)
         room = margin([p.dtype for p in ps] + [m.dtype for m in tree_leaves(adamw_states(state)[0].mu)])
+        if isinstance(rate, float):     # a constant rate: its checks on the host, in the same doubles
+            fits = (bc1 > 0) & (step * max(rate, 1.0) < room)
+            return fits if rate >= 0 and rate * weight_decay <= MAX_DECAY else fits & False
         return ((bc1 > 0) & (rate >= 0) & (rate * weight_decay <= MAX_DECAY)
                 & (step * torch.clamp(rate, min=1.0) < room))
 
     return shows_finite
 
 
-def _rate_and_bias_correction(lr: ScalarOrSchedule, b1: float, state: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-    """This step's learning rate (fp64) and a lower bound of ``1 - b1^t`` as any of the kernels
-    computes it (``b1``: the larger of it and its fp32 rounding; ``b1`` near 1 gives 0 in fp32)."""
+def _rate_and_bias_correction(lr: ScalarOrSchedule, b1: float,
+                              state: tuple) -> tuple[torch.Tensor | float, torch.Tensor]:
+    """This step's learning rate (fp64: a 0-dim tensor from a schedule or a tensor rate, a Python
+    float for a constant one, no op) and a lower bound of ``1 - b1^t`` as any of the kernels
+    computes it (``b1``: the larger of it and its fp32 rounding; ``b1`` near 1 gives 0 in fp32;
+    ``torch.pow`` of the float ``b1`` and fp64 ``t``, the same doubles as of a tensor ``b1``)."""
     adam, schedule = adamw_states(state)
     f64 = torch.float64
     rate = learning_rate(lr, schedule)
-    rate = torch.as_tensor(rate).to(f64) if isinstance(rate, torch.Tensor) else torch.tensor(rate, dtype=f64)
+    rate = torch.as_tensor(rate).to(f64) if isinstance(rate, torch.Tensor) else float(rate)
     step = adam.count + 1
     t = torch.minimum(step.to(f64), step.to(torch.float32).to(f64))     # (fp32 rounds beyond 2**24)
-    return rate, bias_correction(torch.tensor(b1, dtype=f64), t) - 2.0 ** -21    # (a few ulps of pow)
+    return rate, bias_correction(float(b1), t) - 2.0 ** -21    # (a few ulps of pow)
 
 
 def _wide(x: torch.Tensor) -> torch.Tensor:
