@@ -48,7 +48,8 @@ class UpdateBound(NamedTuple):
     """A bound from ``n``, the global 2-norm of the gradients together with the tensors
     ``terms(state, params)`` names for each parameter leaf (e.g. the leaf's first moment):
     ``shows_finite(n, state, params)`` is a 0-dim bool, true only where the new parameters are
-    certainly finite (NaN or inf ``n``: false). With ``needs_finite_params`` it holds only for
+    certainly finite (NaN or inf ``n``: false; ``shows_finite(..., leaves=(param leaves, first
+    moment leaves))`` where the caller has flattened them already: no second flatten). With ``needs_finite_params`` it holds only for
     finite parameters: the caller folds whether they are into ``n`` (inf where not), from a flag
     it knows (``params_finite``) or, without one, from a read of the parameters. ``carried``:
     how a caller that keeps each leaf's peak of its terms (:func:`term_peaks`) carries it to
@@ -238,8 +239,8 @@ def adamw_bound(lr: ScalarOrSchedule, b1: float, eps: float, weight_decay: float
     def terms(state: tuple, params: PyTree) -> list[list[torch.Tensor]]:
         return [[p, m] for p, m in zip(tree_leaves(params), tree_leaves(adamw_states(state)[0].mu))]
 
-    def shows_finite(n: torch.Tensor, state: tuple, params: PyTree) -> torch.Tensor:
-        ps = tree_leaves(params)
+    def shows_finite(n: torch.Tensor, state: tuple, params: PyTree, leaves: Optional[tuple] = None) -> torch.Tensor:
+        ps = tree_leaves(params) if leaves is None else leaves[0]
         if not ps:
             return torch.ones((), dtype=torch.bool)
         rate, bc1 = _rate_and_bias_correction(lr, b1, state)
@@ -311,14 +312,15 @@ def _first_moments(state: tuple, params: PyTree) -> list[list[torch.Tensor]]:
 
 
 def _decay_bounded(lr: ScalarOrSchedule, b1: float, eps: float, weight_decay: float) -> Callable:
-    def shows_finite(n: torch.Tensor, state: tuple, params: PyTree) -> torch.Tensor:
-        ps = tree_leaves(params)
+    def shows_finite(n: torch.Tensor, state: tuple, params: PyTree, leaves: Optional[tuple] = None) -> torch.Tensor:
+        ps, mus = (tree_leaves(params), None) if leaves is None else leaves
         if not ps:
             return torch.ones((), dtype=torch.bool)
         rate, bc1 = _rate_and_bias_correction(lr, b1, state)
         step = n.to(torch.float64) * (1.0 + ROUNDING_SLACK) / (bc1 * eps)   # bounds every |a|
         step = step * max(1.0, eps)      # (and the fused kernel's lr / bc1 * m' before it divides)
-        room = margin([p.dtype for p in ps] + [m.dtype for m in tree_leaves(adamw_states(state)[0].mu)])
+        mus = tree_leaves(adamw_states(state)[0].mu) if mus is None else mus
+        room = margin([p.dtype for p in ps] + [m.dtype for m in mus])
         if isinstance(rate, float):     # a constant rate: its checks on the host, in the same doubles
             fits = (bc1 > 0) & (step * max(rate, 1.0) < room)
             return fits if rate >= 0 and rate * weight_decay <= MAX_DECAY else fits & False

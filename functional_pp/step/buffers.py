@@ -7,13 +7,13 @@ from typing import Any
 
 import torch
 
-from functional_pp.core.tree import tree_leaves, tree_map
+from functional_pp.core.tree import tree_iter, tree_map
 from functional_pp.devices.mesh_view import physical
 
 
 def device_of(tree: Any) -> torch.device | None:
     """The device of the first tensor of ``tree`` (None: no tensor)."""
-    leaf = next((x for x in tree_leaves(tree) if isinstance(x, torch.Tensor)), None)
+    leaf = next((x for x in tree_iter(tree) if isinstance(x, torch.Tensor)), None)     # (no whole flatten)
     return None if leaf is None else leaf.device
 
 
