@@ -48,7 +48,8 @@ class UpdateBound(NamedTuple):
     """A bound from ``n``, the global 2-norm of the gradients together with the tensors
     ``terms(state, params)`` names for each parameter leaf (e.g. the leaf's first moment):
     ``shows_finite(n, state, params)`` is a 0-dim bool, true only where the new parameters are
-    certainly finite (NaN or inf ``n``: false). With ``needs_finite_params`` it holds only for
+    certainly finite (NaN or inf ``n``: false; ``shows_finite(..., leaves=(param leaves, first
+    moment leaves))`` where the caller has flattened them already: no second flatten). With ``needs_finite_params`` it holds only for
     finite parameters: the caller folds whether they are into ``n`` (inf where not), from a flag
     it knows (``params_finite``) or, without one, from a read of the parameters. ``carried``:
     how a caller that keeps each leaf's peak of its terms (:func:`term_peaks`) carries it to
@@ -180,17 +181,39 @@ def limit(leaves: list[torch.Tensor]) -> float:
     """The largest 2-norm a bound may show for new parameter leaves of these dtypes: a quarter of
     the square root of the smallest dtype's largest value (beyond it a leaf's 2-norm, the eager
     finiteness check, may overflow)."""
-    return min(torch.finfo(p.dtype).max for p in leaves) ** 0.5 / 4
+    return _per_dtypes(_limit, frozenset(p.dtype for p in leaves))
+
+
+def _limit(dtypes: frozenset) -> float:
+    return min(torch.finfo(d).max for d in dtypes) ** 0.5 / 4
 
 
 def margin(dtypes) -> float:
     """A quarter of half the spacing of the floats at the largest finite value of the narrowest of
     these dtypes (fp32: 2**101): a finite value of that dtype plus a term below this rounds to a
-    finite value, even after a second rounding from fp32 to a 16-bit dtype."""
+    finite value, even after a second rounding from fp32 to a 16-bit dtype. Derived once per set
+    of dtypes (every eager step asks; ``torch.finfo`` per leaf cost about 0.1 ms a step)."""
+    return _per_dtypes(_margin, frozenset(dtypes))
+
+
+def _margin(dtypes: frozenset) -> float:
     def half_ulp_at_max(dtype: torch.dtype) -> float:
         info = torch.finfo(dtype)
         return math.ldexp(info.eps, math.frexp(info.max)[1] - 2)
     return min(half_ulp_at_max(d) for d in dtypes) / 4
+
+
+_PER_DTYPES: dict = {}      # (function, dtypes) -> its value: eager steps derive it once
+
+
+def _per_dtypes(fn: Callable[[frozenset], float], dtypes: frozenset) -> float:
+    """``fn(dtypes)``, kept across eager calls (traced: computed, nothing kept across traces)."""
+    if is_tracing():
+        return fn(dtypes)
+    value = _PER_DTYPES.get((fn, dtypes))
+    if value is None:
+        value = _PER_DTYPES[(fn, dtypes)] = fn(dtypes)
+    return value
 
 
 def adamw_bound(lr: ScalarOrSchedule, b1: float, eps: float, weight_decay: float) -> UpdateBound:
@@ -216,11 +239,12 @@ def adamw_bound(lr: ScalarOrSchedule, b1: float, eps: float, weight_decay: float
     def terms(state: tuple, params: PyTree) -> list[list[torch.Tensor]]:
         return [[p, m] for p, m in zip(tree_leaves(params), tree_leaves(adamw_states(state)[0].mu))]
 
-    def shows_finite(n: torch.Tensor, state: tuple, params: PyTree) -> torch.Tensor:
-        ps = tree_leaves(params)
+    def shows_finite(n: torch.Tensor, state: tuple, params: PyTree, leaves: Optional[tuple] = None) -> torch.Tensor:
+        ps = tree_leaves(params) if leaves is None else leaves[0]
         if not ps:
             return torch.ones((), dtype=torch.bool)
         rate, bc1 = _rate_and_bias_correction(lr, b1, state)
+        rate = torch.tensor(rate, dtype=torch.float64) if isinstance(rate, float) else rate
         shrink = torch.clamp((1.0 - rate * weight_decay).abs(), min=1.0)     # (masked leaves: no decay)
         return (bc1 > 0) & ((shrink + 2.0 * rate.abs() / bc1 / eps) * n.to(torch.float64) < limit(ps))
 
@@ -288,30 +312,37 @@ def _first_moments(state: tuple, params: PyTree) -> list[list[torch.Tensor]]:
 
 
 def _decay_bounded(lr: ScalarOrSchedule, b1: float, eps: float, weight_decay: float) -> Callable:
-    def shows_finite(n: torch.Tensor, state: tuple, params: PyTree) -> torch.Tensor:
-        ps = tree_leaves(params)
+    def shows_finite(n: torch.Tensor, state: tuple, params: PyTree, leaves: Optional[tuple] = None) -> torch.Tensor:
+        ps, mus = (tree_leaves(params), None) if leaves is None else leaves
         if not ps:
             return torch.ones((), dtype=torch.bool)
         rate, bc1 = _rate_and_bias_correction(lr, b1, state)
         step = n.to(torch.float64) * (1.0 + ROUNDING_SLACK) / (bc1 * eps)   # bounds every |a|
         step = step * max(1.0, eps)      # (and the fused kernel's lr / bc1 * m' before it divides)
-        room = margin([p.dtype for p in ps] + [m.dtype for m in tree_leaves(adamw_states(state)[0].mu)])
+        mus = tree_leaves(adamw_states(state)[0].mu) if mus is None else mus
+        room = margin([p.dtype for p in ps] + [m.dtype for m in mus])
+        if isinstance(rate, float):     # a constant rate: its checks on the host, in the same doubles
+            fits = (bc1 > 0) & (step * max(rate, 1.0) < room)
+            return fits if rate >= 0 and rate * weight_decay <= MAX_DECAY else fits & False
         return ((bc1 > 0) & (rate >= 0) & (rate * weight_decay <= MAX_DECAY)
                 & (step * torch.clamp(rate, min=1.0) < room))
 
     return shows_finite
 
 
-def _rate_and_bias_correction(lr: ScalarOrSchedule, b1: float, state: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-    """This step's learning rate (fp64) and a lower bound of ``1 - b1^t`` as any of the kernels
-    computes it (``b1``: the larger of it and its fp32 rounding; ``b1`` near 1 gives 0 in fp32)."""
+def _rate_and_bias_correction(lr: ScalarOrSchedule, b1: float,
+                              state: tuple) -> tuple[torch.Tensor | float, torch.Tensor]:
+    """This step's learning rate (fp64: a 0-dim tensor from a schedule or a tensor rate, a Python
+    float for a constant one, no op) and a lower bound of ``1 - b1^t`` as any of the kernels
+    computes it (``b1``: the larger of it and its fp32 rounding; ``b1`` near 1 gives 0 in fp32;
+    ``torch.pow`` of the float ``b1`` and fp64 ``t``, the same doubles as of a tensor ``b1``)."""
     adam, schedule = adamw_states(state)
     f64 = torch.float64
     rate = learning_rate(lr, schedule)
-    rate = torch.as_tensor(rate).to(f64) if isinstance(rate, torch.Tensor) else torch.tensor(rate, dtype=f64)
+    rate = torch.as_tensor(rate).to(f64) if isinstance(rate, torch.Tensor) else float(rate)
     step = adam.count + 1
     t = torch.minimum(step.to(f64), step.to(torch.float32).to(f64))     # (fp32 rounds beyond 2**24)
-    return rate, bias_correction(torch.tensor(b1, dtype=f64), t) - 2.0 ** -21    # (a few ulps of pow)
+    return rate, bias_correction(float(b1), t) - 2.0 ** -21    # (a few ulps of pow)
 
 
 def _wide(x: torch.Tensor) -> torch.Tensor:

@@ -46,7 +46,7 @@ def adamw_in_place(lr: ScalarOrSchedule, b1: float, b2: float, eps: float, weigh
             return None
         rate = torch.as_tensor(learning_rate(lr, schedule)) if callable(lr) else lr
         n = bound_norm(bound, state, params, grad_norm, norm_reducer, params_finite)
-        held = ~skip & ~bound.shows_finite(n, state, params)
+        held = ~(skip | bound.shows_finite(n, state, params, leaves=(ps, mus)))      # (~skip & ~shown)
         skip = skip | held
         if clip_norm is not None:    # clip_by_global_norm's formula, in the donated gradients
             coef = torch.clamp(clip_norm / (grad_norm + 1e-6), max=1.0)

@@ -7,13 +7,13 @@ from typing import Any
 
 import torch
 
-from functional_pp.core.tree import tree_leaves, tree_map
+from functional_pp.core.tree import tree_iter, tree_map
 from functional_pp.devices.mesh_view import physical
 
 
 def device_of(tree: Any) -> torch.device | None:
     """The device of the first tensor of ``tree`` (None: no tensor)."""
-    leaf = next((x for x in tree_leaves(tree) if isinstance(x, torch.Tensor)), None)
+    leaf = next((x for x in tree_iter(tree) if isinstance(x, torch.Tensor)), None)     # (no whole flatten)
     return None if leaf is None else leaf.device
 
 
@@ -63,11 +63,13 @@ def own_buffers(grads: list[torch.Tensor], params: list[torch.Tensor]) -> list[t
     taken: dict[int, list[tuple[int, int]]] = {}      # storage -> byte spans given out, sorted
     out = []
     for g in grads:
-        ptr = physical(g).untyped_storage().data_ptr()
-        span = _byte_span(physical(g))
-        if ptr in params_at or not physical(g).is_contiguous() or _overlaps(taken.get(ptr, ()), span):
+        local = physical(g)
+        ptr = local.untyped_storage().data_ptr()
+        span = _byte_span(local)
+        if ptr in params_at or not local.is_contiguous() or _overlaps(taken.get(ptr, ()), span):
             g = g.clone(memory_format=torch.contiguous_format)
-            ptr, span = physical(g).untyped_storage().data_ptr(), _byte_span(physical(g))
+            local = physical(g)
+            ptr, span = local.untyped_storage().data_ptr(), _byte_span(local)
         if span[0] < span[1]:
             bisect.insort(taken.setdefault(ptr, []), span)
         out.append(g)

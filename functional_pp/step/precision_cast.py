@@ -21,10 +21,11 @@ def _cast_by_one_copy(xs: Sequence[torch.Tensor], dtype: torch.dtype) -> list[to
     return outs
 
 
-def _one_copy(t) -> bool:
-    """Whether ``t`` is cast by the foreach copy: traced, any; eager, a plain tensor (a
-    gradient placeholder still in flight or another subclass is cast on its own)."""
-    return is_tracing() or type(t) is torch.Tensor
+def _one_copy(t, tracing: bool) -> bool:
+    """Whether ``t`` is cast by the foreach copy: ``tracing`` (:func:`is_tracing`, asked once
+    per cast, not per leaf), any; eager, a plain tensor (a gradient placeholder still in flight
+    or another subclass is cast on its own)."""
+    return tracing or type(t) is torch.Tensor
 
 
 class _CastAll(torch.autograd.Function):
@@ -44,7 +45,8 @@ class _CastAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *gs):
-        plain = [i for i, g in enumerate(gs) if g is not None and _one_copy(g)]
+        tracing = is_tracing()
+        plain = [i for i, g in enumerate(gs) if g is not None and _one_copy(g, tracing)]
         out: list = [None if g is None else g if i in plain else g.to(d)
                      for i, (g, d) in enumerate(zip(gs, ctx.dtypes))]
         for dtype in {ctx.dtypes[i] for i in plain}:
@@ -60,11 +62,11 @@ def cast_floating(leaves: Sequence[torch.Tensor], dtype: torch.dtype) -> list[to
     foreach copy for the leaves that need gradients and one for the others (per device). Traced,
     inductor fuses the copy into the kernels that first read the casts (the norms'), and the
     gradients' into the update's."""
-    leaves = list(leaves)
+    leaves, tracing = list(leaves), is_tracing()
     todo = [i for i, x in enumerate(leaves) if x.is_floating_point() and x.dtype != dtype]
-    for i in [i for i in todo if not _one_copy(leaves[i])]:
+    for i in [i for i in todo if not _one_copy(leaves[i], tracing)]:
         leaves[i] = leaves[i].to(dtype)
-    todo = [i for i in todo if _one_copy(leaves[i])]
+    todo = [i for i in todo if _one_copy(leaves[i], tracing)]
     if len(todo) < 2:
         for i in todo:
             leaves[i] = leaves[i].to(dtype)

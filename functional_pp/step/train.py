@@ -271,10 +271,16 @@ class TrainStep(StepSettings):
         """The policy the step's ops run under: its ``policy`` (16-bit ``precision`` summing
         16-bit values in fp32 unless the policy names a ``reduce_dtype``), the fields left None
         taken from the ambient :func:`functional_pp.configure` values (docs/policy.md)."""
-        policy = self.policy
-        if policy.reduce_dtype is None and PRECISIONS[self.precision] is not None:
-            policy = policy.replace(reduce_dtype=torch.float32)
-        return policy.over(current_policy())
+        policy, ambient, precision = self.policy, current_policy(), self.precision
+        memo = self.__dict__.get("_resolved_memo")      # (every step asks: derived once per policy objects)
+        if memo is not None and memo[0] is policy and memo[1] is ambient and memo[2] == precision:
+            return memo[3]
+        resolved = policy
+        if resolved.reduce_dtype is None and PRECISIONS[precision] is not None:
+            resolved = resolved.replace(reduce_dtype=torch.float32)
+        resolved = resolved.over(ambient)
+        self._resolved_memo = (policy, ambient, precision, resolved)
+        return resolved
 
     def apply_policy(self) -> ContextManager[Policy]:
         """Put :meth:`resolved_policy` in force for the block: around the step, ``step.gradients``,

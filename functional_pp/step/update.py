@@ -162,7 +162,7 @@ class WrittenUnderGuard(UpdateStrategy):
                                                       params_finite)
         else:
             grad_norm = optim.global_norm(grad_tree, sq_reducer)
-        finite = torch.isfinite(loss), torch.isfinite(grad_norm)     # known before the update (once: the flags' too)
+        finite = finite_scalar(loss), finite_scalar(grad_norm)     # known before the update (once: the flags' too)
         ok = finite[0] & finite[1]
         shown = bound.shows_finite(bound_n, opt_state, params) if bound is not None else None
         up = _in_new_buffers(self.optimizer, grad_tree, params, opt_state, finite, groups, grad_norm, ok, sq_reducer,
@@ -211,8 +211,15 @@ def _norm_and_checks(grads: list[torch.Tensor], treespec: Any, params: Any, loss
     groups, sq_reducer = _reduction(groups, reduce_on)
     grad_tree = _grad_tree(grads, treespec, params)
     grad_norm = optim.global_norm(grad_tree, sq_reducer)
-    finite = torch.isfinite(loss), torch.isfinite(grad_norm)
+    finite = finite_scalar(loss), finite_scalar(grad_norm)
     return groups, sq_reducer, grad_tree, grad_norm, finite, finite[0] & finite[1]
+
+
+def finite_scalar(x: torch.Tensor) -> torch.Tensor:
+    """``torch.isfinite`` of a 0-dim float value. Eager, ``x - x == 0`` (0 for a finite value,
+    NaN for an inf or NaN): the same flag in 2 ops where ``isfinite`` decomposes into 4 (abs,
+    ne, eq, mul); traced, ``isfinite`` itself (a compiler may fold ``x - x`` to 0)."""
+    return torch.isfinite(x) if is_tracing() else (x - x) == 0
 
 
 def _reduction(groups: AxisGroups, reduce_on: torch.device | None):

@@ -34,10 +34,11 @@ def _step(**options):
     return step, step.init(fpp.init(llama.init, CFG, seed=0))
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])     # bf16: the GPU benchmark's setting (benchmarks/gpu.py)
 @pytest.mark.parametrize("donate_state", [False, True], ids=["new-state", "donated-state"])
 @pytest.mark.parametrize("nan_loss", [False, True], ids=["finite", "skipped"])
-def test_a_step_reads_the_device_once_after_its_work(transfers, nan_loss, donate_state):
-    step, state = _step(max_consecutive_skips=None, donate_state=donate_state)
+def test_a_step_reads_the_device_once_after_its_work(transfers, nan_loss, donate_state, precision):
+    step, state = _step(max_consecutive_skips=None, donate_state=donate_state, precision=precision)
     loss_fn = step.loss_fn
     if nan_loss:      # a skipped step: the guard and the choice of the old state make no read either
         step.loss_fn = lambda p, b: loss_fn(p, b) * float("nan")
@@ -180,3 +181,49 @@ def test_token_bookkeeping_of_a_step_takes_a_few_ops():
     expected = torch.nn.functional.cross_entropy(logits.data.reshape(-1, CFG.vocab), labels.reshape(-1),
                                                  reduction="sum") / 13
     torch.testing.assert_close(loss.data, expected)
+
+
+def _update_phase_ops(monkeypatch, step, state) -> list[str]:
+    """The computing ops of a warm step's update phase (``finish_update``: the norm, the guard,
+    the bound, the optimizer, the metrics)."""
+    device_step = importlib.import_module("functional_pp.step.device_step")
+    seen = []
+    original = device_step.finish_update
+
+    def counted(*a, **k):
+        with _Ops() as mode:
+            out = original(*a, **k)
+        seen.append(mode.ops)
+        return out
+    monkeypatch.setattr(device_step, "finish_update", counted)
+    step(state, _batch(2))
+    return seen[-1]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_in_place_update_phase_takes_a_bounded_number_of_ops(monkeypatch, precision):
+    """Eager, donated AdamW with clipping and a constant rate: the gradient norm, the finiteness
+    of loss and norm (2 ops each), the pre-update bound (its rate checks on the host), one fused
+    kernel and the metrics' stack are about sixty ops, most on 0-dim values, however many leaves
+    (docs/eager_overhead.md "The update phase"; 81 before issue 38's cuts, 68 without clipping)."""
+    step, state = _step(precision=precision, donate_state=True)
+    state, _ = step(state, _batch(1))
+    ops = _update_phase_ops(monkeypatch, step, state)
+    assert ops.count("_fused_adamw_") == 1
+    assert ops.count("isfinite") == 0 and ops.count("abs") == 0, "loss and norm checked as x - x == 0"
+    assert ops.count("clamp") <= 1, "a constant rate's checks made on the host (the clipping's clamp only)"
+    assert len(ops) <= 75, " ".join(ops)
+
+
+def test_the_bound_derives_its_dtype_margins_once(monkeypatch):
+    """The AdamW bound's margin (``torch.finfo`` per dtype) is derived once per set of dtypes, not per
+    leaf and step."""
+    bounds = importlib.import_module("functional_pp.optim.bounds")
+    bounds._PER_DTYPES.clear()
+    calls = []
+    original = bounds._margin
+    monkeypatch.setattr(bounds, "_margin", lambda dtypes: calls.append(dtypes) or original(dtypes))
+    step, state = _step(donate_state=True)
+    for seed in range(3):
+        state, _ = step(state, _batch(seed))
+    assert calls == [frozenset({torch.float32})]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from functional_pp._torch import is_tracing
+from functional_pp._torch import apply_function, is_tracing
 from functional_pp.compile.recompute import traced_as_backward
 
 
@@ -27,7 +27,7 @@ def nll_rows(x: torch.Tensor, idx: torch.Tensor, lse: torch.Tensor,
     else 0; the caller adds ``lse`` once to the sum of the shares over the split. Either way
     the backward returns the gradient of the whole row's cross-entropy with respect to ``x``,
     ``g * (exp(x - lse) - onehot)``, so each device's gradient needs no collective."""
-    return _XentRows.apply(x, idx, lse.detach(), inside)
+    return apply_function(_XentRows, x, idx, lse.detach(), inside)     # (no per-call signature binding)
 
 
 class _XentRows(torch.autograd.Function):
@@ -79,7 +79,7 @@ def nll_rows_wide(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     full-size buffers: the fp32 copy of 16-bit logits kept for backward, ``logsumexp``'s
     temporary and the fp32 gradient before its cast. Forward keeps ``x`` itself and the rows'
     ``lse``; backward writes the gradient in ``x``'s dtype."""
-    return _WideRows.apply(x, idx)[0]
+    return apply_function(_WideRows, x, idx)[0]     # (no per-call signature binding)
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:
