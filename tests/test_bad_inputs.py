@@ -185,6 +185,24 @@ def test_empty_or_malformed_batches_are_refused_before_the_step(batch, error, wo
     assert re.search(words, str(info.value.original))
 
 
+@pytest.mark.multiprocess
+def test_a_misnamed_batch_is_refused_on_real_gloo_processes_too():
+    """The same refusal where each rank is a process (the batch split over dp_shard)."""
+    mesh, rules = fpp.Mesh(dp_shard=2), llama.default_rules()
+    step = fpp.train_step(LOSS, fpp.optim.adamw(1e-3), mesh=mesh, rules=rules)
+
+    def device():
+        state = step.init(fpp.init(llama.init, CFG, mesh=mesh, rules=rules, seed=0))
+        with fpp.use_rules(rules):
+            batch = {"tokens": fpp.named(BATCH["tokens"].T.contiguous(), "seq batch"),
+                     "labels": fpp.named(BATCH["labels"], "batch seq")}
+        step(state, batch)
+    with pytest.raises(fpp.DeviceError) as info:
+        fpp.launch(device, mesh, processes=True, timeout=60)
+    assert type(info.value.original) is ValueError
+    assert "batch['tokens'] is named 'seq batch' but this train_step reads it as 'batch seq'" in str(info.value)
+
+
 @pytest.mark.parametrize("part", ["opt_state", "params"])
 def test_a_state_of_another_parameter_tree_is_named_not_a_torch_shape_error(part):
     """An optimizer state (or parameters) from another model size failed inside torch with "The
