@@ -83,8 +83,10 @@ class HFTokenizer:
         model_dir = Path(model_dir) if model_dir is not None else self.dir
         mcfg = {**_read_json(model_dir / "generation_config.json"), **_read_json(model_dir / "config.json")}
         self.vocab_size = int(self.tok.get_vocab_size(with_added_tokens=True))
-        self.bos_id = self._special(mcfg.get("bos_token_id"), _token_text(tcfg.get("bos_token")), "bos_token_id", model_dir)
-        self.eos_id = self._special(mcfg.get("eos_token_id"), _token_text(tcfg.get("eos_token")), "eos_token_id", model_dir)
+        self.bos_id = self._special(mcfg.get("bos_token_id"), _token_text(tcfg.get("bos_token")), "bos_token_id",
+                                    model_dir)
+        self.eos_id = self._special(mcfg.get("eos_token_id"), _token_text(tcfg.get("eos_token")), "eos_token_id",
+                                    model_dir)
         self.add_bos = bool(tcfg.get("add_bos_token", self.bos_id is not None))
         #: transformers' padding side and length limit of this tokenizer (tokenizer_config.json)
         self.padding_side = str(tcfg.get("padding_side") or "right")
