@@ -164,12 +164,65 @@ def test_unnamed_tensors_get_the_friendly_type_error(case):
     ({}, ValueError, r"the batch is empty: pass a dict"),
     ({"tokens": BATCH["tokens"].tolist(), "labels": BATCH["labels"]}, TypeError,
      r"batch\['tokens'\] is a list, not a tensor"),
-], ids=["no rows", "no positions", "no keys", "not a tensor"])
+    ({"tokens": fpp.named(BATCH["tokens"].T.contiguous(), "seq batch"), "labels": BATCH["labels"]}, ValueError,
+     r"batch\['tokens'\] is named 'seq batch' but this train_step reads it as 'batch seq'.*batch_dims="),
+    ({"tokens": fpp.named(BATCH["tokens"], "batchh seq"), "labels": BATCH["labels"]}, ValueError,
+     r"batch\['tokens'\] is named 'batchh seq' but .* 'batch seq'"),
+    ({"tokens": BATCH["tokens"][0], "labels": BATCH["labels"][0]}, ValueError,
+     r"batch\['tokens'\] has shape \(8,\) but this train_step reads it as 'batch seq' \(2 dimensions"),
+    ({"tokens": BATCH["tokens"], "labels": torch.cat([BATCH["labels"], BATCH["labels"][:, :1]], 1)}, ValueError,
+     r"cross_entropy: the labels' sizes differ from the logits' \(seq: labels 9, logits 8\).*x\[:, 1:\]"),
+    ({"tokens": BATCH["tokens"], "labels": BATCH["labels"][:2]}, ValueError,
+     r"cross_entropy: the labels' sizes differ from the logits' \(batch: labels 2, logits 4\)"),
+    ({"tokens": BATCH["tokens"], "labels": BATCH["labels"].float()}, TypeError,
+     r"cross_entropy: labels must be an integer tensor .* got torch.float32"),
+], ids=["no rows", "no positions", "no keys", "not a tensor", "named transposed", "named misspelt", "one dimension",
+        "labels unshifted", "labels fewer rows", "labels float"])
 def test_empty_or_malformed_batches_are_refused_before_the_step(batch, error, words):
     with pytest.raises(fpp.DeviceError) as info:
         run_steps(fpp.Mesh(), fpp.Rules(), [batch])
     assert type(info.value.original) is error
     assert re.search(words, str(info.value.original))
+
+
+@pytest.mark.multiprocess
+def test_a_misnamed_batch_is_refused_on_real_gloo_processes_too():
+    """The same refusal where each rank is a process (the batch split over dp_shard)."""
+    mesh, rules = fpp.Mesh(dp_shard=2), llama.default_rules()
+    step = fpp.train_step(LOSS, fpp.optim.adamw(1e-3), mesh=mesh, rules=rules)
+
+    def device():
+        state = step.init(fpp.init(llama.init, CFG, mesh=mesh, rules=rules, seed=0))
+        with fpp.use_rules(rules):
+            batch = {"tokens": fpp.named(BATCH["tokens"].T.contiguous(), "seq batch"),
+                     "labels": fpp.named(BATCH["labels"], "batch seq")}
+        step(state, batch)
+    with pytest.raises(fpp.DeviceError) as info:
+        fpp.launch(device, mesh, processes=True, timeout=60)
+    assert type(info.value.original) is ValueError
+    assert "batch['tokens'] is named 'seq batch' but this train_step reads it as 'batch seq'" in str(info.value)
+
+
+@pytest.mark.parametrize("part", ["opt_state", "params"])
+def test_a_state_of_another_parameter_tree_is_named_not_a_torch_shape_error(part):
+    """An optimizer state (or parameters) from another model size failed inside torch with "The
+    size of tensor a (16) must match the size of tensor b (8)"; now the leaves are named."""
+    mesh, rules = fpp.Mesh(), fpp.Rules()
+    step = fpp.train_step(LOSS, fpp.optim.adamw(1e-3), mesh=mesh, rules=rules)
+    other_cfg = llama.Config.tiny(hidden=2 * CFG.hidden)
+    other = fpp.train_step(functools.partial(llama.loss, cfg=other_cfg), fpp.optim.adamw(1e-3), mesh=mesh, rules=rules)
+
+    def device():
+        state = step.init(fpp.init(llama.init, CFG, mesh=mesh, rules=rules, seed=0))
+        foreign = other.init(fpp.init(llama.init, other_cfg, mesh=mesh, rules=rules, seed=0))
+        step(dict(state, **{part: foreign[part]}), BATCH)
+    with pytest.raises(fpp.DeviceError) as info:
+        fpp.launch(device, mesh, timeout=120)
+    assert type(info.value.original) is ValueError
+    msg = str(info.value.original)
+    assert f"its {part} belong to another parameter tree" in msg and "step.init(params) of this model" in msg
+    assert re.search(rf"{part}\.\S*embed\S*: shape \(\d+, {2 * CFG.hidden}\), step.init made \(\d+, {CFG.hidden}\)",
+                     msg), msg
 
 
 @pytest.mark.parametrize("seed", [-1, 1.5, True, "0", 2 ** 64])
@@ -659,6 +712,17 @@ def test_bad_hardening_keys_are_config_errors_before_any_work(tmp_path, capsys, 
     status, stdout, err = run_cli(capsys, cfg, "--set", override)
     assert status == 2 and stdout == "" and not out.exists()
     assert_one_line(err, "functional-pp: config error:", words)
+
+
+def test_axolotls_test_datasets_is_refused_without_pointing_at_datasets(tmp_path, capsys):
+    """It said "unknown key 'test_datasets'; did you mean 'datasets'?": following that hint
+    trains on the evaluation data."""
+    out = tmp_path / "run"
+    cfg = write_cfg(tmp_path / "c.yaml", out)
+    status, stdout, err = run_cli(capsys, cfg, "--set", "test_datasets=[{path: eval.jsonl, type: alpaca}]")
+    assert status == 2 and stdout == "" and not out.exists()
+    assert_one_line(err, "'test_datasets' is not supported", "val_set_size", "it would be trained on")
+    assert "did you mean 'datasets'" not in err
 
 
 def test_an_unreadable_config_file_is_one_line(tmp_path, capsys):

@@ -426,6 +426,17 @@ class TrainRun:
             raise NonFiniteError(f"all {r['skipped']} steps of this run were skipped (non-finite loss, gradients "
                                  f"or update; see nonfinite_* in {metrics_path}): nothing was learned. Check "
                                  f"the base weights and the data for NaN / inf, or lower learning_rate")
+        untrained = r.get("untrained", 0)
+        if r["losses"] and untrained == len(r["losses"]):
+            raise NothingTrainedError(
+                f"none of the {untrained} steps of this run trained a token: every label of their batches was "
+                f"ignored (tokens 0 in {metrics_path}), so nothing was learned. The trained tokens are too few or "
+                f"too far apart for these steps' windows (the start-up summary counts them per dataset): check "
+                f"train_on_inputs / roles_to_train, and with sample_packing a few trained tokens at the end of "
+                f"long rows (sample_packing: false trains each row in a window of its own)")
+        if untrained:
+            print(f"note: {untrained} of {len(r['losses'])} steps trained no token (every label of their batch "
+                  f"ignored: tokens 0 in {metrics_path})", file=out)
         if r["losses"]:
             print(f"done: step {r['step']}/{cfg.max_steps}, loss {r['losses'][-1]:.4f}; metrics in "
                   f"{metrics_path}", file=out, flush=True)
@@ -433,6 +444,10 @@ class TrainRun:
             print(f"nothing to do: already at step {r['step']} of max_steps={cfg.max_steps}", file=out)
         return TrainResult(self.out_dir, r["start"], r["step"], r["losses"], r["stopped"], r["checkpoint"],
                            r["comm_report"])
+
+
+class NothingTrainedError(RuntimeError):
+    """A run none of whose steps trained a token (every label ignored): exit 1, not "done"."""
 
 
 class DeviceLoop:
@@ -448,6 +463,7 @@ class DeviceLoop:
         self.start = 0
         self.losses: list[float] = []
         self.skipped_steps = 0                     # this run's steps skipped as non-finite
+        self.untrained_steps = 0                   # this run's steps whose batch trained no label
         self.watch, self.halted = Watch.of(job.cfg), []     # why a stopping rule ended the run
         self.report_text = None
         self.saved_path, self.stopped = None, False
@@ -472,7 +488,7 @@ class DeviceLoop:
                 self.job.loggers.close()
         return {"start": self.start, "step": self.step, "losses": self.losses, "stopped": self.stopped,
                 "halted": self.halted, "checkpoint": self.saved_path, "comm_report": self.report_text,
-                "skipped": self.skipped_steps}
+                "skipped": self.skipped_steps, "untrained": self.untrained_steps}
 
     # ------------------------------------------------------------------ setup (device)
     def init_state(self) -> None:
@@ -638,6 +654,7 @@ class DeviceLoop:
             m = {**dict(m), **self.rollout_metrics.pop(s, {})}
             self.losses.append(m["loss"])
             self.skipped_steps += int(bool(m.get("skipped", 0)))
+            self.untrained_steps += int(m.get("tokens", 1) == 0 and not m.get("skipped", 0))   # every label ignored
             why = watch.loss(s, m["loss"])
             if why is None and eval_loss is not None and i == len(unread) - 1:
                 why = watch.eval_loss(s, eval_loss)

@@ -71,7 +71,7 @@ def _layout(overrides: list[str]) -> dict:
 def _check(args: argparse.Namespace) -> None:
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.temperature < 0:
+    if not args.temperature >= 0:          # (NaN too: it failed inside the sampler, exit 1)
         raise ConfigError(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
     if not 0 < args.top_p <= 1:
         raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")

@@ -131,6 +131,9 @@ UNSUPPORTED: dict[str, str] = {
     "wandb_log_model": "model upload is not supported: remove it",
     "do_bench_eval": "benchmark evaluation is not supported: remove it",
     "sample_packing_eff_est": "packing needs no efficiency estimate: remove it",
+    "test_datasets": ("separate evaluation datasets are not supported: the held-out data is the val_set_size "
+                      "share of datasets (docs/config.md); remove test_datasets (moved into datasets it would "
+                      "be trained on) and set val_set_size"),
 }
 
 #: keys of a ``datasets`` entry that belong to a feature not supported -> why

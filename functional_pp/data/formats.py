@@ -174,6 +174,7 @@ def _split_records(path: Path, ds_type: str | None, split: str, where: str) -> I
         pq = require("pyarrow.parquet", "data", f"{where}: reading the Parquet file {path}")
         yield from pq.read_table(str(path)).to_pylist()
     elif kind == "arrow":
+        _require_saved_dataset(Path(path), where)
         load_from_disk = require("datasets", "data", f"{where}: reading {path}, a directory of a HF dataset "
                                  f"(load_from_disk),").load_from_disk
         ds = load_from_disk(str(path))
@@ -185,6 +186,22 @@ def _split_records(path: Path, ds_type: str | None, split: str, where: str) -> I
     else:
         raise ValueError(f"{where}: cannot read records from {path} (ds_type {kind!r}); use "
                          f".jsonl, .json, .parquet or a datasets directory, or set ds_type")
+
+
+_SAVED_DATASET_FILES = ("dataset_dict.json", "state.json")   # what save_to_disk writes (a dict / one split)
+
+
+def _require_saved_dataset(path: Path, where: str) -> None:
+    """Refuse a directory that ``save_to_disk`` did not write (a folder of data files: datasets'
+    own message named neither the files nor the fix), naming the data files it holds."""
+    if any((path / name).is_file() for name in _SAVED_DATASET_FILES):
+        return
+    data = sorted(p.name for p in path.iterdir() if p.suffix in (".jsonl", ".json", ".parquet", ".txt")
+                  and not any(w in p.name for w in ("config", "tokenizer", "index")))   # (a model's files)
+    fix = (f"; it holds {', '.join(data[:4])}{' ...' if len(data) > 4 else ''}: give each file as a datasets "
+           f"entry of its own (path: {path / data[0]})" if data else "; point path at a data file")
+    raise ValueError(f"{where}: {path} is a directory but not a Hugging Face dataset written by save_to_disk "
+                     f"(no {' or '.join(_SAVED_DATASET_FILES)}){fix}")
 
 
 def _field(rec: Any, key: str, where: str, n: int) -> Any:

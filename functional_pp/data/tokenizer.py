@@ -83,8 +83,10 @@ class HFTokenizer:
         model_dir = Path(model_dir) if model_dir is not None else self.dir
         mcfg = {**_read_json(model_dir / "generation_config.json"), **_read_json(model_dir / "config.json")}
         self.vocab_size = int(self.tok.get_vocab_size(with_added_tokens=True))
-        self.bos_id = self._special(mcfg.get("bos_token_id"), _token_text(tcfg.get("bos_token")))
-        self.eos_id = self._special(mcfg.get("eos_token_id"), _token_text(tcfg.get("eos_token")))
+        self.bos_id = self._special(mcfg.get("bos_token_id"), _token_text(tcfg.get("bos_token")), "bos_token_id",
+                                    model_dir)
+        self.eos_id = self._special(mcfg.get("eos_token_id"), _token_text(tcfg.get("eos_token")), "eos_token_id",
+                                    model_dir)
         self.add_bos = bool(tcfg.get("add_bos_token", self.bos_id is not None))
         #: transformers' padding side and length limit of this tokenizer (tokenizer_config.json)
         self.padding_side = str(tcfg.get("padding_side") or "right")
@@ -136,10 +138,18 @@ class HFTokenizer:
             elif key == "bos_token":
                 self.bos_id = int(i)
 
-    def _special(self, token_id: Any, text: str | None) -> int | None:
+    def _special(self, token_id: Any, text: str | None, key: str, model_dir: Path) -> int | None:
+        """The id of a special token: the model config's ``key`` (checked against the vocabulary: an
+        EOS id beyond it separated every packed document with an id the model has no row for, and
+        the run stopped at its first step naming the data), else the tokenizer's ``text``."""
         if isinstance(token_id, list):
             token_id = token_id[0] if token_id else None
         if token_id is not None:
+            if not 0 <= int(token_id) < self.vocab_size:
+                raise ValueError(f"{key}: {token_id} in {model_dir / 'config.json'} (or generation_config.json) is "
+                                 f"outside the tokenizer's vocabulary of {self.vocab_size} ids ({self.file}); fix "
+                                 f"{key} there (the tokenizer's own {text!r} is id "
+                                 f"{self.tok.token_to_id(text) if text else None})")
             return int(token_id)
         if text is not None:
             return self.tok.token_to_id(text)

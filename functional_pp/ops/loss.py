@@ -98,6 +98,7 @@ def _nll_rows_named(op: str, logits: Named, labels: Named, vocab: str | None, ig
     if sorted(other) != sorted(labels.dims):
         raise ValueError(f"{op}: labels have dimensions {labels.dims} but the logits have "
                          f"{logits.dims} (expected the logits' dimensions without {vocab!r})")
+    _check_labels(op, logits, labels, other)
     labels = relayout(labels, tuple(logits.split[logits.dims.index(d)] for d in labels.dims))
     order = [labels.dims.index(d) for d in other]
     lab = labels.data.permute(order) if order != sorted(order) else labels.data
@@ -125,6 +126,19 @@ def _nll_rows_named(op: str, logits: Named, labels: Named, vocab: str | None, ig
                                           sizes=())
         nll = Named(nll, other, split_other, logits.vary)
     return nll, Named(valid.to(nll.data.dtype), other, split_other, labels.vary), None
+
+
+def _check_labels(op: str, logits: Named, labels: Named, other: tuple) -> None:
+    """Integer labels of the logits' sizes (torch failed deep inside with ``gather(): Expected
+    dtype int64`` or ``shape '[4, 9]' is invalid``: unshifted labels, fewer rows)."""
+    if labels.data.dtype.is_floating_point or labels.data.dtype == torch.bool:
+        raise TypeError(f"{op}: labels must be an integer tensor (token ids, {IGNORE_INDEX} where ignored), "
+                        f"got {labels.data.dtype}")
+    wrong = [d for d in other if labels.shape[d] != logits.shape[d]]
+    if wrong:
+        sizes = ", ".join(f"{d}: labels {labels.shape[d]}, logits {logits.shape[d]}" for d in wrong)
+        raise ValueError(f"{op}: the labels' sizes differ from the logits' ({sizes}); the labels need one "
+                         f"entry per logit row (for next-token prediction: tokens x[:, :-1], labels x[:, 1:])")
 
 
 def _split_nll_rows(logits: Named, x: torch.Tensor, lab: torch.Tensor, vocab: str, other: tuple,

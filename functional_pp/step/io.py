@@ -49,6 +49,32 @@ def nonfinite_what(metrics: dict) -> str:
     return f"optimizer update (with a finite {values})"
 
 
+def unwrap_batch(batch: dict, batch_dims: dict) -> dict:
+    """The step's batch as plain tensors, each read with the dimension names ``batch_dims`` gives
+    its key. A named value whose names differ from them is refused: the step would read its
+    dimensions by position, so ``fpp.named(x, "seq batch")`` would be trained as ``batch seq``
+    (a transposed batch) and a misspelt ``"batchh seq"`` as ``batch seq``, silently."""
+    from functional_pp.parallel.named import Named
+    out = {}
+    for k, v in batch.items():
+        want = batch_dims.get(k)
+        want = tuple(want.split() if isinstance(want, str) else want) if want is not None else None
+        if isinstance(v, Named):
+            if want is not None and tuple(v.dims) != want:
+                raise ValueError(
+                    f"batch[{k!r}] is named {' '.join(v.dims)!r} but this train_step reads it as "
+                    f"{' '.join(want)!r} (its batch_dims); name it so (fpp.named(x, {' '.join(want)!r}), "
+                    f"transposing the data if its dimensions are in another order) or pass "
+                    f"train_step(..., batch_dims={{{k!r}: {' '.join(v.dims)!r}, ...}})")
+            v = v.data
+        elif want is not None and isinstance(v, torch.Tensor) and v.ndim != len(want):
+            raise ValueError(f"batch[{k!r}] has shape {tuple(v.shape)} but this train_step reads it as "
+                             f"{' '.join(want)!r} ({len(want)} dimensions, its batch_dims); reshape it "
+                             f"(one row: x[None]) or pass train_step(..., batch_dims={{{k!r}: ...}})")
+        out[k] = v
+    return out
+
+
 def check_batch(batch: dict) -> None:
     """Refuse empty batches before any work (they would give a 0/0 loss)."""
     if not batch:

@@ -36,13 +36,14 @@ from functional_pp.step.buffers import device_of, master_copy
 from functional_pp.step.compiled_step import COMPILED_STEPS_PER_PROCESS, CompiledStep
 from functional_pp.step.deferred_metrics import StepMetrics
 from functional_pp.step.device_step import DeviceFunction, PlainDeviceStep
-from functional_pp.step.io import check_batch
+from functional_pp.step.io import check_batch, unwrap_batch
 from functional_pp.step.known_finite import DonatedBound
 from functional_pp.step.layering import LayerUse, NoLayerWarning
 from functional_pp.step.metrics_modes import HostView, metrics_mode
 from functional_pp.step.precision_cast import cast_floating
 from functional_pp.step.nonfinite import NonFiniteError  # noqa: F401 (public here too)
 from functional_pp.step.result import DeviceStepResult
+from functional_pp.step.state_check import state_mismatch, state_signature
 from functional_pp.step.settings import (DEFAULT_BATCH_DIMS, METRICS_MODES, PER_WEIGHT, PRECISIONS, STEP_POLICY,
                                          ParamSpec, StepSettings, step_options, trainable_flags)
 from functional_pp.step.update import UpdateStrategy, choose_update
@@ -80,6 +81,7 @@ class TrainStep(StepSettings):
         self._compiled = CompiledStep(lambda: split_mode(self.compile)[0], lambda: self.policy, self.resolved_policy)
         self._layers = LayerUse()               # fpp.layer calls seen, FSDP units' order (step/layering.py)
         self._shared = new_per_thread()         # per device: parameters its first forward gathered twice (tied)
+        self._init_state = new_per_thread()     # per device: the shapes step.init made (step/state_check.py)
         self._compute = new_per_thread()        # offload_params: per device, where the step computes (step.init)
         self._said_not_offloaded: list = []     # activation_offloading off CUDA: said once (step/activation_offload.py)
         self._bound = DonatedBound(self.optimizer, self.donate_state)   # donated state: step/known_finite.py
@@ -97,7 +99,10 @@ class TrainStep(StepSettings):
         master shards of the trained parameters (frozen ones keep their dtype), optimizer state
         (sharded like the parameters), step counters; under a pipeline, this device's stages'
         (its device function's ``init``)."""
-        return self.device.init(params)
+        state = self.device.init(params)
+        if getattr(self._init_state, "signature", None) is None:    # the first: a failing step's diagnosis
+            self._init_state.signature = state_signature(state)
+        return state
 
     def logical_state(self, state: dict) -> dict:
         """The whole training state, as one device (``train_step`` without ``pp``) holds it: the
@@ -162,7 +167,7 @@ class TrainStep(StepSettings):
             mesh = current_context().mesh
             if mesh != self.mesh:
                 raise ValueError(f"train_step was built for {self.mesh} but runs on {mesh}")
-        batch = {k: (v.data if isinstance(v, Named) else v) for k, v in batch.items()}
+        batch = unwrap_batch(batch, self.batch_dims)
         check_batch(batch)
         unknown = [k for k in batch if k not in self.batch_dims]
         if unknown:
@@ -181,17 +186,29 @@ class TrainStep(StepSettings):
         t0 = time.perf_counter()
         finite = self._bound.params_finite(tree_leaves(state["params"]))
         bound, peaks = self._carried_peaks(state) if step_compile else (None, None)
-        with self._settings(step_compile, layer_compile), \
-                deferred_checks() as id_checks:     # token-id checks, raised after the step
-            out: DeviceStepResult = fn(
-                state["params"], state["opt_state"], state["step"], state["skipped"], batch, finite, peaks,
-                grad_seed(device_of(state["params"]), bool(step_compile)))
+        try:
+            with self._settings(step_compile, layer_compile), \
+                    deferred_checks() as id_checks:     # token-id checks, raised after the step
+                out: DeviceStepResult = fn(
+                    state["params"], state["opt_state"], state["step"], state["skipped"], batch, finite, peaks,
+                    grad_seed(device_of(state["params"]), bool(step_compile)))
+        except Exception as exc:
+            self._refuse_foreign_state(state, exc)
+            raise
         # read every step, or kept unread (metrics="deferred"): step/metrics_modes.py
         new, metrics, peaks = self._metrics.finish(state, batch, out, id_checks, t0)
         out = None
         self._bound.remember(tree_leaves(new["params"]), finite, bound, new["opt_state"],
                              self.spec.trainable_tree(new["params"]), peaks)
         return new, metrics
+
+    def _refuse_foreign_state(self, state: dict, exc: Exception) -> None:
+        """Raise a ValueError naming the leaves when the failed step's ``state`` is not of the
+        shapes this device's :meth:`init` made (step/state_check.py)."""
+        recorded = getattr(self._init_state, "signature", None)
+        why = state_mismatch(recorded, state) if recorded is not None else None
+        if why is not None:
+            raise ValueError(why) from exc
 
     def trace(self, state: dict, batch: dict) -> DeviceStepResult:
         """The step's device function run once on ``state`` and this device's ``batch`` (tensors

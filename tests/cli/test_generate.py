@@ -231,6 +231,8 @@ max_steps: 3
     (["--prompt", ""], "--prompt 1 is empty"),
     (["--prompt", "What is 3 plus 4?", "--max-new-tokens", "60"], r"past the model's context of 64"),
     (["--prompt", "x", "--top-p", "0"], r"--top-p must be in \(0, 1\]"),
+    (["--prompt", "x", "--top-p", "nan"], r"--top-p must be in \(0, 1\], got nan"),
+    (["--prompt", "x", "--temperature", "nan"], r"--temperature must be >= 0 \(0: greedy\), got nan"),
     (["--prompt", "x", "--set", "cp_size=2"], "generate takes the layout keys"),
     (["--prompt", "x", "--compile", "inductr"], "--compile: compile must be True, False or a torch.compile backend"),
     (["--prompt", "x", "--max-new-tokens", "4", "--simulate", "3", "--set", "tp_size=2"],

@@ -87,3 +87,15 @@ def test_a_split_that_is_no_slice_is_refused(tmp_path):
     entry.split = "train[:half]"
     with pytest.raises(ValueError, match=r"split 'train\[:half\]' is not a split name or a slice"):
         build_streams([entry], None, seq_len=256)
+
+
+def test_a_folder_of_data_files_is_refused_naming_its_files(tmp_path):
+    """datasets' load_from_disk said "neither a `Dataset` directory nor a `DatasetDict` directory"
+    for a folder of JSON lines files: neither the files nor the fix."""
+    (tmp_path / "d").mkdir()
+    for name in ("a.jsonl", "b.jsonl"):
+        (tmp_path / "d" / name).write_text(json.dumps({"instruction": "x", "output": "y"}) + "\n")
+    with pytest.raises(ValueError, match=r"datasets\[0\] .*/d is a directory but not a Hugging Face dataset written "
+                                         r"by save_to_disk .*it holds a.jsonl, b.jsonl: give each file as a datasets "
+                                         r"entry of its own \(path: .*/d/a.jsonl\)"):
+        build_streams([DatasetConfig(path=str(tmp_path / "d"), type="alpaca")], None, seq_len=8)

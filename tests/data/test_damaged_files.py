@@ -24,6 +24,22 @@ def test_a_cut_tokenizer_json_is_named(tmp_path):
         inputs.load_tokenizer(cfg)
 
 
+@pytest.mark.parametrize("key", ["eos_token_id", "bos_token_id"])
+def test_a_special_token_id_outside_the_vocabulary_is_named(tmp_path, key):
+    """config.json's eos_token_id 5000 with a 3-token tokenizer: the id separated every packed
+    document and the run stopped at its first step naming a token id in the data."""
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"a": 0, "b": 1, "</s>": 2}, unk_token="a"))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    cfg = TrainConfig.from_dict({"tokenizer": str(tmp_path)})
+    (tmp_path / "config.json").write_text(json.dumps({key: 2}))
+    assert inputs.load_tokenizer(cfg).vocab_size == 3
+    (tmp_path / "config.json").write_text(json.dumps({key: 5000}))
+    with pytest.raises(ConfigError, match=f"tokenizer: {key}: 5000 in {tmp_path / 'config.json'} .*outside the "
+                                          f"tokenizer's vocabulary of 3 ids .*fix {key} there"):
+        inputs.load_tokenizer(cfg)
+
+
 def _cfg(tmp_path):
     return TrainConfig.from_dict({"datasets": [{"path": str(tmp_path / "a.jsonl"), "type": "alpaca"}],
                                   "dataset_prepared_path": str(tmp_path / "prepared"), "sequence_len": 32})
