@@ -21,8 +21,10 @@ def _rows(answer: str) -> str:
 def test_resume_on_rewritten_data_is_refused(tmp_path, capsys):
     data = tmp_path / "a.jsonl"
     data.write_text(_rows("42"))
+    # (train_on_inputs: the 32-byte windows hold prompt tokens only; a run that trains none is refused)
     cfg = {"model": "tiny", "micro_batch_size": 2, "sequence_len": 32, "max_steps": 1, "lr_scheduler": "constant",
-           "datasets": [{"path": str(data), "type": "alpaca"}], "output_dir": str(tmp_path / "out")}
+           "train_on_inputs": True, "datasets": [{"path": str(data), "type": "alpaca"}],
+           "output_dir": str(tmp_path / "out")}
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
     assert cli.main(["train", str(tmp_path / "c.yaml"), "--simulate", "1"]) == 0
     data.write_text(_rows("24"))                                      # same size, other tokens
