@@ -10,7 +10,15 @@ fresh ``empty_strided`` reproduces exactly: an ATen/prims overload that mutates 
 returns no alias of an input, has no data-dependent output shape, with every tensor argument
 a plain ``meta`` tensor, every other argument a hashable constant, and every result a fresh
 contiguous-storage ``meta`` tensor (offset 0, storage of exactly the bytes its strides reach,
-shared with no input and no other result). Anything else runs the kernel as before."""
+shared with no input and no other result).
+
+In-place and ``out=`` ops (a mutable schema, e.g. the optimizer's ``_foreach_addcmul_`` or a
+loss's ``logsumexp.out``, whose meta kernels are Python) write no data on ``meta``: their only
+effects are a check of the arguments and, possibly, a resize. One that left every argument's
+metadata as it was and returned nothing or some of its tensor arguments is answered on a repeat
+with those same arguments, without the kernel (the repeat's metadata is the first call's, so
+its check passes again). Ops that change metadata in place (``inplace_view``) never are.
+Anything else runs the kernel as before."""
 from __future__ import annotations
 
 import contextlib
@@ -65,9 +73,11 @@ def call_meta(func, args: tuple, kwargs: dict):
     spec = _results.get(key)
     if spec is not None:
         stats["hits"] += 1
-        return _build(spec)
+        return _build(spec, inputs)
+    mutable = func._schema.is_mutable
+    before = _state(inputs) if mutable else None
     out = func(*args, **kwargs)
-    spec = _spec(out, {_storage(t) for t in inputs})
+    spec = _mutated(out, inputs, before) if mutable else _spec(out, {_storage(t) for t in inputs})
     stats["misses" if spec is not None else "uncached"] += 1
     if spec is not None:
         with _lock:
@@ -82,35 +92,52 @@ def _is_cacheable(func) -> bool:
     if known is None:
         schema = getattr(func, "_schema", None)
         known = (isinstance(func, torch._ops.OpOverload) and func.namespace in ("aten", "prims")
-                 and schema is not None and not schema.is_mutable
-                 and all(r.alias_info is None for r in schema.returns)
-                 and not _SKIP_TAGS.intersection(func.tags))
+                 and schema is not None and not _SKIP_TAGS.intersection(func.tags)
+                 and (schema.is_mutable or all(r.alias_info is None for r in schema.returns)))
         _cacheable[func] = known
     return known
 
 
+_PLAIN_TYPES = frozenset(_PLAIN)
+_CONSTANT_TYPES = frozenset(_CONSTANTS)
+
+
 def _key(value, parts: list, inputs: list) -> bool:
     """Append ``value``'s metadata to ``parts`` (its tensors to ``inputs``); False where it
-    cannot be a key."""
-    if isinstance(value, torch.Tensor):
-        if type(value) not in _PLAIN or not value.is_meta or value.layout != torch.strided:
-            return False
-        parts.append((tuple(value.shape), value.stride(), value.storage_offset(), value.dtype))
-        inputs.append(value)
-        return True
-    if isinstance(value, (tuple, list)):
-        if all(type(v) is int for v in value):           # a shape: the common case, kept whole
-            parts.append((type(value), tuple(value)))
-            return True
-        parts.append((type(value), len(value)))
-        return all(_key(v, parts, inputs) for v in value)
+    cannot be a key. ``value``: an op's positional arguments (a tuple) or keyword arguments."""
     if isinstance(value, dict):
         parts.append((dict, tuple(value)))
-        return all(_key(v, parts, inputs) for v in value.values())
-    if isinstance(value, _CONSTANTS):
-        parts.append((type(value), value))
-        return True
-    return False
+        return _key_items(value.values(), parts, inputs)
+    return _key_items(value, parts, inputs)
+
+
+def _key_items(items, parts: list, inputs: list) -> bool:
+    strided = torch.strided
+    for v in items:
+        t = type(v)
+        if t in _PLAIN_TYPES:
+            if not v.is_meta or v.layout != strided:
+                return False
+            parts.append((tuple(v.shape), v.stride(), v.storage_offset(), v.dtype))
+            inputs.append(v)
+        elif t in _CONSTANT_TYPES:
+            parts.append((t, v))
+        elif isinstance(v, (tuple, list)):
+            if all(type(x) is int for x in v):           # a shape: the common case, kept whole
+                parts.append((t, tuple(v)))
+            else:
+                parts.append((t, len(v)))
+                if not _key_items(v, parts, inputs):
+                    return False
+        elif isinstance(v, dict):
+            parts.append((dict, tuple(v)))
+            if not _key_items(v.values(), parts, inputs):
+                return False
+        elif isinstance(v, _CONSTANTS) and not isinstance(v, torch.Tensor):
+            parts.append((t, v))
+        else:
+            return False
+    return True
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -139,12 +166,47 @@ def _spec(out, input_storages: set):
     return specs[0] if single else (type(outs), tuple(specs))
 
 
+_ARG = "arg"          # a mutating op's result: ("arg", positions of its tensor arguments returned)
+
+
+def _state(inputs: list) -> list:
+    """What a mutating op may change of its tensor arguments: metadata and storage."""
+    return [(tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, _storage(t)) for t in inputs]
+
+
+def _mutated(out, inputs: list, before: list):
+    """A mutating op's result as positions among ``inputs``, or None where a repeat could differ:
+    an argument's metadata or storage changed (a resize, ``set_``), or a result is not one of
+    its arguments."""
+    if _state(inputs) != before:
+        return None
+    if out is None:
+        return (_ARG, None)
+    single = isinstance(out, torch.Tensor)
+    outs = (out,) if single else out
+    if not isinstance(outs, (tuple, list)):
+        return None
+    where = []
+    for t in outs:
+        i = next((i for i, x in enumerate(inputs) if x is t), None)
+        if i is None:
+            return None
+        where.append(i)
+    return (_ARG, where[0] if single else (type(outs), tuple(where)))
+
+
 def _empty(spec) -> torch.Tensor:
     shape, stride, dtype = spec
     return torch.empty_strided(shape, stride, dtype=dtype, device="meta")
 
 
-def _build(spec):
+def _build(spec, inputs: list):
+    if spec[0] is _ARG:
+        where = spec[1]
+        if where is None or isinstance(where, int):
+            return None if where is None else inputs[where]
+        kind, positions = where
+        return kind(inputs[i] for i in positions)
     if isinstance(spec[0], type):
         kind, specs = spec
         return kind(_empty(s) for s in specs)

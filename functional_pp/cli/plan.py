@@ -67,11 +67,12 @@ def config_space(cfg, *, orders: str = "default", pp: tuple[int, ...] = (1,), ep
 def rank_layouts(cfg, n_devices: int, cluster="h100x8", *, memory_gb: float | None = None,
                  memory_gib: float | None = None,
                  strategy: str = "auto", orders: str = "default", space: Space | None = None,
-                 stream: IO[str] | None = None, float8: bool = False) -> Ranking:
+                 stream: IO[str] | None = None, float8: bool = False, jobs: int | None = None) -> Ranking:
     """Rank the layouts of training config ``cfg`` on ``n_devices`` of ``cluster`` (``float8``:
     costed with Float8 linear layers, ``plan.cost(..., float8=True)``). Each layout is estimated
     as ``validate --memory`` estimates the config (its optimizer, precision, trained parameters);
-    progress goes to ``stream`` (default stderr), rewritten in place only on a terminal."""
+    progress goes to ``stream`` (default stderr), rewritten in place only on a terminal; ``jobs``:
+    worker processes for the dry-runs (default one per core; the ranking is the same)."""
     from functional_pp.app.held_models import step_batch
     from functional_pp.app.optimizer import optimizer_from_config
     from functional_pp.app.report import add_rollout, as_compiled, compiled_layers
@@ -97,7 +98,7 @@ def rank_layouts(cfg, n_devices: int, cluster="h100x8", *, memory_gb: float | No
                          pp_fsdp_gather=cfg.pp_fsdp_gather, optimizer=optimizer_from_config(cfg)[0],
                          compiled=compiled_layers(cfg), cost_model=functools.partial(cost, float8=float8),
                          amend=functools.partial(add_rollout, cfg, model_config(cfg), gb),
-                         tokens_per_step=step_tokens(cfg, gb, row))
+                         tokens_per_step=step_tokens(cfg, gb, row), jobs=jobs)
     print(("\r" + " " * 90 + "\r" if live else "") + f"  estimated {len(ranking) + len(ranking.rejected)} layouts "
           f"in {time.perf_counter() - started:.0f} s", file=out, flush=True)
     return ranking
@@ -281,6 +282,8 @@ def add_parser(sub) -> None:
                         f"{CP_MIN_TOKENS})")
     p.add_argument("--float8", action="store_true",
                    help="cost the layers' linear matmuls in Float8 (torchtitan's Float8 training; FP8 peak of the cluster)")
+    p.add_argument("--jobs", type=int, default=None, metavar="N",
+                   help="worker processes for the dry-runs (default: one per core; the ranking is the same)")
     p.add_argument("--top", type=int, default=20, help="rows to print")
     p.add_argument("--json", metavar="FILE", default=None,
                    help="write the ranking as JSON (its folder is checked before the search)")
@@ -303,6 +306,8 @@ def run(args) -> int:
         cfg = TrainConfig.from_yaml(args.config, list(args.overrides))
         if args.devices < 1:
             raise ConfigError(f"--devices must be >= 1, got {args.devices}")
+        if args.jobs is not None and args.jobs < 1:
+            raise ConfigError(f"--jobs must be >= 1 (1 runs the dry-runs in this process), got {args.jobs}")
         cl = as_cluster(args.cluster)
         pp, ep = _sizes("--pp", args.pp), _sizes("--ep", args.ep)
         max_axis = _max_axis(args.max_axis)
@@ -315,7 +320,7 @@ def run(args) -> int:
     ranking = rank_layouts(cfg, args.devices, cl, memory_gb=args.memory_gb, memory_gib=args.memory_gib,
                            strategy=args.strategy,
                            space=config_space(cfg, orders=args.orders, pp=pp, ep=ep, max_axis=max_axis),
-                           float8=args.float8)
+                           float8=args.float8, jobs=args.jobs)
     print(f"{len(ranking)} layouts of {args.devices} devices on {cl.name} (memory limit "
           f"{human_bytes(ranking.memory_limit_bytes)} per device), best first:")
     print(ranking.table(args.top))

@@ -330,7 +330,8 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
         return [_run_device(loss_fn, d, mesh, rules, b, options, optimizer, precision, g, remat,
                             repeated, device, timeline, trainable, compiled, fsdp2_streams, expandable_segments,
                             _learn_needed(loss_fn, d, mesh, rules, b, options, optimizer, precision, g, repeated,
-                                          device, trainable) if compiled and is_selective(remat) else None)
+                                          device, trainable) if compiled and is_selective(remat) else None,
+                            offload=any(offload))
                 for g, b in steps for d in variants]
     device = 0 if rank is None else rank
     results = run_on(device)
@@ -533,7 +534,7 @@ def batch_dims_of(batch: BatchSpec) -> dict:
 
 def _run_device(loss_fn, decls, mesh, rules, batch, options, optimizer, precision, grad_accum, remat,
                 repeated, rank, timeline, trainable=None, compiled=False, fsdp2_streams=False,
-                expandable_segments=False, needed=None):
+                expandable_segments=False, needed=None, offload=True):
     loss = Instrumented(loss_fn, repeated)
     step = train_step(loss, optimizer or optim.adamw(1e-4), mesh=mesh, rules=rules, precision=precision,
                       grad_accum=grad_accum, remat=remat, trainable=trainable, **options,
@@ -551,7 +552,8 @@ def _run_device(loss_fn, decls, mesh, rules, batch, options, optimizer, precisio
             sizes = [t.untyped_storage().nbytes() for t in held if isinstance(t, torch.Tensor)]
             tracker = MemoryTracker(baseline, masters, rep, timeline, baseline_sizes=sizes, compiled=compiled,
                                     fsdp2_streams=fsdp2_streams, expandable_segments=expandable_segments,
-                                    needed=needed, selective=remat if is_selective(remat) else "selective")
+                                    needed=needed, selective=remat if is_selective(remat) else "selective",
+                                    offload=offload)
             loss.tracker = tracker
             with tracker, torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack), \
                     trace_backward(False), deferred_checks():

@@ -18,6 +18,7 @@ from functional_pp.plan.cluster import Cluster
 from functional_pp.plan.cluster import cluster as as_cluster
 from functional_pp.plan.dryrun import BatchSpec, LayoutEstimate, estimate
 from functional_pp.plan.timing import cost
+from functional_pp.plan.workers import Pool
 
 
 @dataclass(frozen=True)
@@ -188,11 +189,40 @@ def candidates(n_devices: int, space: Space, cl: Cluster, rows: int | None = Non
 Evaluate = Callable[[Candidate], "LayoutEstimate | None"]
 
 
+class Evaluator:
+    """The strategies' ``evaluate``: ``evaluate(c)`` estimates one candidate, ``evaluate.many(cs)``
+    several at once (on the pool's workers), in order; a layout that cannot be estimated is None,
+    its reason kept in ``rejected`` in the order the candidates were given."""
+
+    def __init__(self, pool: Pool, total: int, rejected: list, progress=None) -> None:
+        self.pool, self.total, self.rejected, self.progress = pool, total, rejected, progress
+        self.jobs = pool.jobs
+        self._count = 0
+
+    def __call__(self, c: Candidate) -> LayoutEstimate | None:
+        return self.many([c])[0]
+
+    def many(self, cands: Sequence[Candidate]) -> list[LayoutEstimate | None]:
+        def done(i: int, result) -> None:
+            if self.progress is not None:
+                self.progress(self._count, self.total, _name(cands[i]))
+            self._count += 1
+        out = []
+        for e, why in self.pool.map(cands, done):
+            if why is not None:
+                self.rejected.append(why)
+            out.append(e)
+        return out
+
+
+def _many(evaluate: Evaluate) -> Callable[[Sequence[Candidate]], list]:
+    """``evaluate.many``, or one candidate after another for a plain function."""
+    return getattr(evaluate, "many", None) or (lambda cs: [evaluate(c) for c in cs])
+
+
 def exhaustive(cands: Sequence[Candidate], evaluate: Evaluate) -> list[LayoutEstimate]:
     """Evaluate every candidate."""
-    return [e for e in map(evaluate, cands) if e is not None]
-
-
+    return [e for e in _many(evaluate)(cands) if e is not None]
 
 
 def leanest(cands: Sequence[Candidate]) -> Candidate:
@@ -214,65 +244,100 @@ def beam(width: int = 4) -> Callable[[Sequence[Candidate], Evaluate], list[Layou
     not fit is probed with its :func:`leanest` candidate, and dropped only when that does not fit
     either (then none of it fits). The visit stops once ``width`` groups have a layout that fits
     no slower than the next group's probe; the options of those groups are evaluated
-    (:func:`_expand`). So the beam keeps a layout that fits whenever the space has one."""
+    (:func:`_expand`). So the beam keeps a layout that fits whenever the space has one.
+
+    With an :class:`Evaluator` of several workers the probes run together, the visit's lean
+    probes a few ahead (those the visit does not reach are dropped: the result is the same for
+    any number of workers), and the expansion one variant of every option set at a time."""
     def strategy(cands: Sequence[Candidate], evaluate: Evaluate) -> list[LayoutEstimate]:
+        many = _many(evaluate)
+        ahead = max(1, getattr(evaluate, "jobs", 1))
         groups: dict = {}
         for c in cands:
             groups.setdefault((tuple(c.mesh.shape.items()), c.schedule, c.virtual), []).append(c)
-        results, probed, order, evaluated = [], {}, [], []
+        results, probed, evaluated = [], {}, []
 
-        def probe(k, c) -> LayoutEstimate | None:
+        def keep(k, c, e) -> LayoutEstimate | None:
             probed.setdefault(k, []).append(c)
-            e = evaluate(c)
             evaluated.append((c, e))
             if e is not None:
                 results.append(e)
             return e
-        for k, g in groups.items():
-            e = probe(k, g[0]) or (probe(k, leanest(g)) if leanest(g) is not g[0] else None)
+        keys = list(groups)
+        first = [keep(k, groups[k][0], e) for k, e in zip(keys, many([groups[k][0] for k in keys]))]
+        again = [k for k, e in zip(keys, first) if e is None and leanest(groups[k]) is not groups[k][0]]
+        lean = {k: keep(k, leanest(groups[k]), e) for k, e in zip(again, many([leanest(groups[k]) for k in again]))}
+        order = []
+        for k, e in zip(keys, first):
+            e = e or lean.get(k)
             if e is not None:
                 order.append((_time(e), k, e))
         order.sort(key=lambda r: r[0])
+
+        def needs_lean(k, e) -> bool:
+            return not e.settings.get("fits", True) and all(leanest(groups[k]) is not p for p in probed[k])
         ranked: list = []
-        for bound, k, e in order:
+        ready: dict = {}                # group -> its lean probe, evaluated ahead of the visit
+        for i, (bound, k, e) in enumerate(order):
             if len(ranked) >= width and sorted(ranked, key=lambda r: r[0])[width - 1][0] <= bound:
                 break
             if not e.settings.get("fits", True):
-                lean = leanest(groups[k])
-                e = probe(k, lean) if all(lean is not p for p in probed[k]) else None
+                if needs_lean(k, e):
+                    if k not in ready:
+                        batch = [kk for _, kk, ee in order[i:] if kk not in ready and needs_lean(kk, ee)][:ahead]
+                        ready.update(zip(batch, many([leanest(groups[kk]) for kk in batch])))
+                    e = keep(k, leanest(groups[k]), ready.pop(k))
+                else:
+                    e = None
             if e is not None and e.settings.get("fits", True):
                 ranked.append((_time(e), k))
         done = {id(c): e for c, e in evaluated}
-        for _, k in sorted(ranked, key=lambda r: r[0])[:width]:
-            results.extend(_expand(groups[k], evaluate, done))
+        chosen = [groups[k] for _, k in sorted(ranked, key=lambda r: r[0])[:width]]
+        results.extend(_expand(chosen, many, done))
         return results
     return strategy
 
 
-def _expand(group: Sequence[Candidate], evaluate: Evaluate, done: dict) -> list[LayoutEstimate]:
-    """Every option of a group, except a memory lever's slower variants where a faster one
+def _expand(groups: Sequence[Sequence[Candidate]], many, done: dict) -> list[LayoutEstimate]:
+    """Every option of the groups, except a memory lever's slower variants where a faster one
     already fits: for the same other options, more recomputation (none, selective, selective with
     every second matmul recomputed, whole layer)
     and more micro-steps only add time, so a variant is skipped when one with no more of either
-    fits. ``done``: candidates already evaluated (id -> estimate)."""
+    fits. ``done``: candidates already evaluated (id -> estimate). The option sets advance
+    together, one variant each per call of ``many``."""
     bases: dict = {}
-    for c in group:
-        bases.setdefault(_without_levers(c), []).append(c)
+    for group in groups:
+        for c in group:
+            bases.setdefault(_without_levers(c), []).append(c)
+    queues = [sorted(v, key=lambda c: (_REMAT_SAVING_ORDER[c.remat], c.grad_accum)) for v in bases.values()]
+    fitting: list[list[Candidate]] = [[] for _ in queues]
+    at = [0] * len(queues)
     out = []
-    for variants in bases.values():
-        fitting: list[Candidate] = []
-        for c in sorted(variants, key=lambda c: (_REMAT_SAVING_ORDER[c.remat], c.grad_accum)):
-            if any(_REMAT_SAVING_ORDER[f.remat] <= _REMAT_SAVING_ORDER[c.remat] and f.grad_accum <= c.grad_accum
-                   for f in fitting):
-                continue
-            e = done[id(c)] if id(c) in done else evaluate(c)
-            if e is None:
-                continue
-            if id(c) not in done:
+
+    def dominated(i: int, c: Candidate) -> bool:
+        return any(_REMAT_SAVING_ORDER[f.remat] <= _REMAT_SAVING_ORDER[c.remat] and f.grad_accum <= c.grad_accum
+                   for f in fitting[i])
+
+    def settle(i: int, c: Candidate, e) -> None:
+        if e is not None and e.settings.get("fits", True):
+            fitting[i].append(c)
+    while True:
+        batch = []
+        for i, q in enumerate(queues):
+            while at[i] < len(q) and (dominated(i, q[at[i]]) or id(q[at[i]]) in done):
+                c = q[at[i]]
+                if not dominated(i, c):
+                    settle(i, c, done[id(c)])
+                at[i] += 1
+            if at[i] < len(q):
+                batch.append(i)
+        if not batch:
+            return out
+        for i, e in zip(batch, many([queues[i][at[i]] for i in batch])):
+            if e is not None:
                 out.append(e)
-            if e.settings.get("fits", True):
-                fitting.append(c)
-    return out
+            settle(i, queues[i][at[i]], e)
+            at[i] += 1
 
 
 # recomputation: none, selective (every matmul kept), selective with every second matmul recomputed, whole layer
@@ -344,7 +409,8 @@ def search(loss_fn: Callable, decls: Any, n_devices: int, batch: BatchSpec, *,
            bandwidth=None, options: dict | None = None, precision: str | None = None,
            progress: Callable[[int, int, str], None] | None = None, trainable: Any = None,
            pp_fsdp_gather: str = "step", optimizer: Any = None, compiled: bool = False,
-           amend: Callable[[LayoutEstimate], None] | None = None, tokens_per_step: int | None = None) -> Ranking:
+           amend: Callable[[LayoutEstimate], None] | None = None, tokens_per_step: int | None = None,
+           jobs: int | None = 1) -> Ranking:
     """Estimate and cost candidate layouts of ``n_devices`` and rank them: those within the
     memory limit (default: the cluster's device memory) first, by step time, then memory.
 
@@ -353,7 +419,7 @@ def search(loss_fn: Callable, decls: Any, n_devices: int, batch: BatchSpec, *,
     factorizations) under ``rules_for(mesh)``. Layouts that cannot divide the model or the
     batch are rejected with the reason (``Ranking.rejected``). ``strategy``: ``exhaustive``
     (default up to 400 candidates) or ``beam(width)``; ``cost_model(estimate, cluster)``
-    returns a StepTime. ``progress(i, n, layout)`` is called before each estimate. ``trainable``:
+    returns a StepTime. ``progress(i, n, layout)`` is called as each estimate is done. ``trainable``:
     the step's mask (:func:`estimate`'s; adapters, frozen or quantized bases), for every layout;
     ``pp_fsdp_gather``: FSDP under a pipeline gathers once per "step" or per "micro"-batch;
     ``optimizer``: the step's (default AdamW), whose state is part of the memory; ``compiled``:
@@ -361,7 +427,9 @@ def search(loss_fn: Callable, decls: Any, n_devices: int, batch: BatchSpec, *,
     ``amend(estimate)``: adds what the run holds beyond its step (an online run's rollout:
     app/report.py ``add_rollout``) before the layout is costed and fitted; ``tokens_per_step``:
     the tokens a step computes, for tokens/s (default: the first input's elements; a pair
-    objective passes its chosen and rejected rows: app/row_tokens.py ``step_tokens``)."""
+    objective passes its chosen and rejected rows: app/row_tokens.py ``step_tokens``); ``jobs``:
+    worker processes that run the dry-runs (None: one per core; plan/workers.py), the ranking the
+    same for any number."""
     cl = as_cluster(cluster) if cluster is not None else None
     limit = memory_limit_bytes if memory_limit_bytes is not None else (cl.memory_bytes if cl else None)
     space = space or Space(precision=precision or "bf16")
@@ -371,12 +439,8 @@ def search(loss_fn: Callable, decls: Any, n_devices: int, batch: BatchSpec, *,
     else:
         cands = candidates(n_devices, space, cl or as_cluster("h100x8"), rows=_rows(batch))
     rejected: list[tuple[str, str]] = []
-    counter = itertools.count()
 
-    def evaluate(c: Candidate) -> LayoutEstimate | None:
-        name = _name(c)
-        if progress is not None:
-            progress(next(counter), len(cands), name)
+    def one(c: Candidate) -> tuple[LayoutEstimate | None, tuple[str, str] | None]:
         try:
             e = estimate(loss_fn, decls, c.mesh, c.rules, batch, options=dict(c.options), precision=c.precision,
                          grad_accum=c.grad_accum, remat=c.remat, bandwidth=bandwidth, timeline=False,
@@ -384,16 +448,17 @@ def search(loss_fn: Callable, decls: Any, n_devices: int, batch: BatchSpec, *,
                          pp_fsdp_gather=pp_fsdp_gather, optimizer=optimizer, compiled=compiled)
         except Exception as exc:   # noqa: BLE001 - an impossible layout is a result, not a failure
             cause = getattr(exc, "original", exc)
-            rejected.append((name, f"{type(cause).__name__}: {cause}".splitlines()[0]))
-            return None
+            return None, (_name(c), f"{type(cause).__name__}: {cause}".splitlines()[0])
         if amend is not None:
             amend(e)
         if cl is not None:
             e.time = cost_model(e, cl)
         e.settings["fits"] = _fits(e, limit)
-        return e
-    strategy = strategy or (exhaustive if len(cands) <= 400 else beam(4))
-    results = strategy(cands, evaluate)
+        return e, None
+    with Pool(one, jobs) as pool:
+        evaluate = Evaluator(pool, len(cands), rejected, progress)
+        strategy = strategy or (exhaustive if len(cands) <= 400 else beam(4))
+        results = strategy(cands, evaluate)
     results.sort(key=lambda e: (not _fits(e, limit), _time(e), e.peak_bytes))
     if results:
         results[0].notes.extend(f"skipped {m}: {why}" for m, why in rejected)

@@ -6,13 +6,14 @@ Works on meta tensors (the dry-run) and on real ones (the measurement it is chec
 against): a storage counts from the op that creates it until it is freed."""
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from dataclasses import dataclass, field
 
 import torch
 
-from functional_pp._torch import TorchDispatchMode, in_backward
+from functional_pp._torch import EagerDispatchMode, in_backward
 from functional_pp._torch.meta_cache import call_meta
 from functional_pp.compile.selective import MATMULS, SAVED_OPS, keeps_matmul
 from functional_pp.core.comm import CommReport
@@ -43,6 +44,8 @@ def launches_kernel(func, name: str) -> bool:
 
 
 _LAUNCHES: dict = {}     # op -> launches_kernel(op): asked once per op, not once per call
+_VIEWS: dict = {}        # op -> whether it is a view (its result shares an input's storage)
+_storage_of = torch.Tensor.untyped_storage
 
 _FLASH = {_aten._scaled_dot_product_flash_attention_for_cpu.default: 1.0,
           _aten._scaled_dot_product_flash_attention_for_cpu_backward.default: 2.5}
@@ -205,7 +208,7 @@ def note_uneven(what: str, busiest) -> None:
         tracker.run.uneven[what] = dict(busiest)
 
 
-class MemoryTracker(TorchDispatchMode):
+class MemoryTracker(EagerDispatchMode):
     """Counts storages created while active (see module docstring). ``baseline``: bytes alive
     before (weights, optimizer state); ``param_storages``: storages of the parameters, whose
     casts, views and gathers are "weights in flight". ``baseline_sizes``: the bytes of each
@@ -217,12 +220,15 @@ class MemoryTracker(TorchDispatchMode):
     all-gather and reduce-scatter streams (plan/fsdp2.py); ``expandable_segments``:
     the allocator's setting of that name (plan/allocator.py). ``needed`` (compiled selective
     layers: what backward reads of each, by position) with ``selective``, the policy's name
-    (compile/selective.py): the results it keeps, the rest recomputed."""
+    (compile/selective.py): the results it keeps, the rest recomputed. ``offload``: also record
+    the device's and the host's peaks with each offload lever pulled (``DeviceRun.offload_peaks``)."""
 
     def __init__(self, baseline: dict[str, int], param_tensors, report: CommReport | None = None,
                  timeline: bool = True, baseline_sizes=None, compiled: bool = False, needed=None,
-                 fsdp2_streams: bool = False, expandable_segments: bool = False, selective: str = "selective"):
+                 fsdp2_streams: bool = False, expandable_segments: bool = False, selective: str = "selective",
+                 offload: bool = True):
         super().__init__()
+        self._offload_levers = OFFLOAD_LEVERS if offload else ()   # whose peaks the run records
         self.selective = selective           # the selective policy of the layers when ``needed`` is given
         self._open_matmuls = 0               # matrix products in the open layer's forward so far
         self.fsdp2_streams = fsdp2_streams
@@ -237,6 +243,7 @@ class MemoryTracker(TorchDispatchMode):
         self._freed_kept: dict = {}          # layer -> bytes it keeps that eager freed
         self.run = DeviceRun(dict(baseline))
         self.allocator = CachingAllocator(expandable_segments)
+        self._noted_reserved = -1
         self._reserved_base = 0 if baseline_sizes is not None else sum(baseline.values())
         for i, n in enumerate(baseline_sizes or ()):
             self.allocator.malloc(("baseline", i), n)
@@ -248,6 +255,7 @@ class MemoryTracker(TorchDispatchMode):
         self.run.peak_breakdown = dict(self._totals)
         self.run.compiled_breakdown = dict(self._totals)
         self._live: dict[int, _Alloc] = {}
+        self._watch: dict[int, weakref.ref] = {}     # key -> a reference to its storage that frees it when it dies
         self._param_ids = {id(t.untyped_storage()) for t in param_tensors}
         self._weight_shapes: set = {tuple(t.shape) for t in param_tensors}
         self._report = report
@@ -344,7 +352,17 @@ class MemoryTracker(TorchDispatchMode):
                 self.layer = max(layers)
         if self.compiled:
             self._follow_compiled()
-        out = call_meta(func, args, kwargs)     # (meta: memoised; real tensors: the kernel)
+        view = _VIEWS.get(func)
+        if view is None:
+            view = _VIEWS[func] = bool(getattr(func, "is_view", False))
+        if view and not self.compiled and not self._keep_timeline and (
+                self._report is None or len(self._report.events) == self._n_events):
+            out = func(*args, **kwargs)     # a view of tracked storage: no kernel, bytes, FLOPs or event
+            if all(id(s) in self._live or id(s) in self._param_ids for s in map(_storage_of, _tensors(out))):
+                self._seq += 1
+                return out
+        else:
+            out = call_meta(func, args, kwargs)     # (meta: memoised; real tensors: the kernel)
         name = func.__name__ if hasattr(func, "__name__") else str(func)
         launch = _LAUNCHES.get(func)
         if launch is None:
@@ -410,8 +428,8 @@ class MemoryTracker(TorchDispatchMode):
         self._note_reserved()
         self._totals[category] += nbytes
         self._current += nbytes
-        weakref.finalize(storage, self._free, key)
-        for levers in OFFLOAD_LEVERS:
+        self._watch[key] = weakref.ref(storage, functools.partial(self._dead, key))
+        for levers in self._offload_levers:
             device, host = self.split(*levers)
             was = self.run.offload_peaks.get(levers, (0, 0))
             self.run.offload_peaks[levers] = (max(was[0], device), max(was[1], host))
@@ -422,6 +440,9 @@ class MemoryTracker(TorchDispatchMode):
             self.run.peak_at = f"{self.phase} {op}" + (f" (layer {self.layer})" if self.layer is not None else "")
 
     def _note_reserved(self) -> None:
+        if self.allocator.reserved == self._noted_reserved:      # (no segment reserved since)
+            return
+        self._noted_reserved = self.allocator.reserved
         self.run.peak_reserved = max(self.run.peak_reserved, self._reserved_base + self.allocator.peak_reserved)
         self.run.reserved_by_stream = dict(self.allocator.reserved_by_stream)
 
@@ -445,6 +466,10 @@ class MemoryTracker(TorchDispatchMode):
         alloc = self._live.get(id(t.untyped_storage()))
         if alloc is not None and alloc.category in ("forward temporaries", "activations"):
             self._move(alloc, "logits")
+
+    def _dead(self, key: int, _ref) -> None:
+        self._watch.pop(key, None)
+        self._free(key)
 
     def _free(self, key: int) -> None:
         alloc = self._live.pop(key, None)
@@ -628,9 +653,7 @@ class MemoryTracker(TorchDispatchMode):
     def _count_traffic(self, func, name: str, inputs, out) -> None:
         """Bytes an unfused kernel moves: its tensor inputs read, its new outputs written
         (views and allocations move nothing; an in-place op reads and writes its input). The optimizer's are costed from the state."""
-        if self.phase == "update" or name.split(".")[0] in _NO_TRAFFIC:
-            return
-        if getattr(func, "is_view", False):
+        if self.phase == "update" or not _LAUNCHES[func]:      # (views and allocations move nothing)
             return
         outs = _tensors(out)
         moved = sum(t.numel() * t.element_size() for t in list(inputs) + outs)

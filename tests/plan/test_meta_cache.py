@@ -3,6 +3,7 @@ from memory, and what it estimates is exactly what running every meta kernel est
 import dataclasses
 import functools
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -66,10 +67,41 @@ def test_repeats_get_fresh_tensors_and_views_stay_views():
         assert (t.shape, t.stride(), t.dtype) == ((4, 6), (6, 1), torch.float32)
     storages = {t.untyped_storage()._cdata for t in (x, a, b, c)}
     assert len(storages) == 4                                # a repeat is a new tensor
-    # views and in-place ops are never answered from memory: they share the input's storage
+    # views are never answered from memory: they share the input's storage
     assert v.untyped_storage()._cdata == x.untyped_storage()._cdata and v.stride() == (1, 6)
     assert all(p.untyped_storage()._cdata == x.untyped_storage()._cdata for p in s)
     assert x2 is x
+
+
+def test_a_repeated_in_place_or_out_op_returns_its_own_argument_without_the_kernel():
+    meta_cache.clear()
+    x, y = torch.empty(4, 6, device="meta"), torch.empty(6, device="meta")
+    out = torch.empty(4, device="meta")
+    with _Calls():
+        x.add_(y)                                      # remembered: nothing changed, returned self
+        torch.logsumexp(x, 1, out=out)                 # remembered: out's metadata as it was
+        torch._foreach_mul_([x, y], 2.0)               # remembered: returns nothing
+    hits = meta_cache.stats["hits"]
+    x3, out3, y3 = torch.empty(4, 6, device="meta"), torch.empty(4, device="meta"), torch.empty(6, device="meta")
+    with _Calls():
+        assert x3.add_(y3) is x3
+        assert torch.logsumexp(x3, 1, out=out3) is out3
+        torch._foreach_mul_([x3, y3], 2.0)
+    assert meta_cache.stats["hits"] == hits + 3
+    with _Calls():                                     # a new shape: the kernel checks it, and refuses
+        with pytest.raises(RuntimeError):
+            torch.empty(4, 5, device="meta").add_(y3)
+
+
+def test_an_out_op_that_resizes_its_output_is_run_each_time():
+    meta_cache.clear()
+    x = torch.empty(4, 6, device="meta")
+    with _Calls():
+        for _ in range(2):
+            out = torch.empty(0, device="meta")
+            uncached = meta_cache.stats["uncached"]
+            assert torch.logsumexp(x, 1, out=out) is out and out.shape == (4,)
+            assert meta_cache.stats["uncached"] == uncached + 1
 
 
 def test_another_mode_beneath_sees_the_real_op():
