@@ -249,3 +249,21 @@ def test_the_bound_derives_its_dtype_margins_once(monkeypatch):
     for seed in range(3):
         state, _ = step(state, _batch(seed))
     assert calls == [frozenset({torch.float32})]
+
+
+def test_the_fused_adamw_plan_is_derived_once_per_state(monkeypatch):
+    """The in-place AdamW's per-leaf plan (whether its kernel applies to the parameters and
+    moments, its groups) is derived at a state's first step and kept while the step is given the
+    very tensors (a donated state); another state's tensors derive it again."""
+    fused = importlib.import_module("functional_pp.optim.fused")
+    calls = []
+    original = fused._states_fit
+    monkeypatch.setattr(fused, "_states_fit", lambda *a: calls.append(1) or original(*a))
+    step, state = _step(donate_state=True)
+    for seed in range(3):
+        state, m = step(state, _batch(seed))
+        assert m["skipped"] == 0
+    assert len(calls) == 1
+    other = step.init(fpp.init(llama.init, CFG, seed=1))
+    other, m = step(other, _batch(0))
+    assert len(calls) == 2 and m["skipped"] == 0
