@@ -140,9 +140,10 @@ def in_place_step(t: GradientTransformation) -> Callable[..., None] | None:
     into ``params`` and the new state into ``state``'s tensors, and leaves everything as it was
     where the 0-dim bool ``skip`` is true. ``grads`` are donated; ``grad_norm`` is their global
     norm (for clipping); an optional ``params_finite`` (0-dim bool) tells a step whose bound
-    needs finite parameters whether they are, instead of reading them. For callers whose state
-    is theirs to overwrite (a donated training state); results equal the pure path's within
-    rounding (docs/optim.md "In place")."""
+    needs finite parameters whether they are, instead of reading them; an optional ``leaves``
+    (the leaves of ``params`` and ``grads``, where the caller has flattened them) saves a
+    flatten of each. For callers whose state is theirs to overwrite (a donated training state);
+    results equal the pure path's within rounding (docs/optim.md "In place")."""
     return _declared(t, "in_place")
 
 

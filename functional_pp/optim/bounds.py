@@ -48,8 +48,9 @@ class UpdateBound(NamedTuple):
     """A bound from ``n``, the global 2-norm of the gradients together with the tensors
     ``terms(state, params)`` names for each parameter leaf (e.g. the leaf's first moment):
     ``shows_finite(n, state, params)`` is a 0-dim bool, true only where the new parameters are
-    certainly finite (NaN or inf ``n``: false; ``shows_finite(..., leaves=(param leaves, first
-    moment leaves))`` where the caller has flattened them already: no second flatten). With ``needs_finite_params`` it holds only for
+    certainly finite (NaN or inf ``n``: false; ``terms`` and ``shows_finite`` take
+    ``leaves=(param leaves, first moment leaves)`` where the caller has flattened them already:
+    no second flatten). With ``needs_finite_params`` it holds only for
     finite parameters: the caller folds whether they are into ``n`` (inf where not), from a flag
     it knows (``params_finite``) or, without one, from a read of the parameters. ``carried``:
     how a caller that keeps each leaf's peak of its terms (:func:`term_peaks`) carries it to
@@ -139,12 +140,14 @@ def carried_norms(bound: UpdateBound, grads: list[torch.Tensor], peaks: list[tor
 
 
 def bound_norm(bound: UpdateBound, state: Any, params: Any, grad_norm: torch.Tensor,
-               reducer: Optional[Reducer], params_finite: Optional[torch.Tensor] = None) -> torch.Tensor:
+               reducer: Optional[Reducer], params_finite: Optional[torch.Tensor] = None,
+               leaves: Optional[tuple] = None) -> torch.Tensor:
     """The bound's ``n`` (fp64) given the gradients' global norm: the foreach norms of its terms,
     completed by ``reducer`` (or added up), and ``grad_norm`` (inf where the bound needs finite
-    parameters and ``params_finite``, or a read of them, says they are not)."""
+    parameters and ``params_finite``, or a read of them, says they are not). ``leaves``: the
+    parameters' and first moments' leaves where the caller has them (``UpdateBound``)."""
     reduce = reducer if reducer is not None else (lambda sq: torch.stack(tree_leaves(sq)).sum())
-    terms = bound.terms(state, params)
+    terms = bound.terms(state, params) if leaves is None else bound.terms(state, params, leaves=leaves)
     if terms and terms[0]:
         per_kind = [sq_sums([ts[k] for ts in terms]) for k in range(len(terms[0]))]
         joint = functools.reduce(_add_each, per_kind)
@@ -236,8 +239,9 @@ def adamw_bound(lr: ScalarOrSchedule, b1: float, eps: float, weight_decay: float
         return UpdateBound(_first_moments, _decay_bounded(lr, b1, eps, weight_decay), needs_finite_params=True,
                            carried=carried)
 
-    def terms(state: tuple, params: PyTree) -> list[list[torch.Tensor]]:
-        return [[p, m] for p, m in zip(tree_leaves(params), tree_leaves(adamw_states(state)[0].mu))]
+    def terms(state: tuple, params: PyTree, leaves: Optional[tuple] = None) -> list[list[torch.Tensor]]:
+        ps, mus = (tree_leaves(params), tree_leaves(adamw_states(state)[0].mu)) if leaves is None else leaves
+        return [[p, m] for p, m in zip(ps, mus)]
 
     def shows_finite(n: torch.Tensor, state: tuple, params: PyTree, leaves: Optional[tuple] = None) -> torch.Tensor:
         ps = tree_leaves(params) if leaves is None else leaves[0]
@@ -307,8 +311,8 @@ def _round_up(x: float, dtype: torch.dtype) -> float:
     return float(y)
 
 
-def _first_moments(state: tuple, params: PyTree) -> list[list[torch.Tensor]]:
-    return [[m] for m in tree_leaves(adamw_states(state)[0].mu)]
+def _first_moments(state: tuple, params: PyTree, leaves: Optional[tuple] = None) -> list[list[torch.Tensor]]:
+    return [[m] for m in (tree_leaves(adamw_states(state)[0].mu) if leaves is None else leaves[1])]
 
 
 def _decay_bounded(lr: ScalarOrSchedule, b1: float, eps: float, weight_decay: float) -> Callable:
@@ -318,16 +322,21 @@ def _decay_bounded(lr: ScalarOrSchedule, b1: float, eps: float, weight_decay: fl
             return torch.ones((), dtype=torch.bool)
         rate, bc1 = _rate_and_bias_correction(lr, b1, state)
         step = n.to(torch.float64) * (1.0 + ROUNDING_SLACK) / (bc1 * eps)   # bounds every |a|
-        step = step * max(1.0, eps)      # (and the fused kernel's lr / bc1 * m' before it divides)
+        step = _times(step, max(1.0, eps))      # (and the fused kernel's lr / bc1 * m' before it divides)
         mus = tree_leaves(adamw_states(state)[0].mu) if mus is None else mus
         room = margin([p.dtype for p in ps] + [m.dtype for m in mus])
         if isinstance(rate, float):     # a constant rate: its checks on the host, in the same doubles
-            fits = (bc1 > 0) & (step * max(rate, 1.0) < room)
+            fits = (bc1 > 0) & (_times(step, max(rate, 1.0)) < room)
             return fits if rate >= 0 and rate * weight_decay <= MAX_DECAY else fits & False
         return ((bc1 > 0) & (rate >= 0) & (rate * weight_decay <= MAX_DECAY)
                 & (step * torch.clamp(rate, min=1.0) < room))
 
     return shows_finite
+
+
+def _times(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """``x * factor`` for a host constant; ``x`` itself for 1.0 (the same values: no op)."""
+    return x if factor == 1.0 else x * factor
 
 
 def _rate_and_bias_correction(lr: ScalarOrSchedule, b1: float,

@@ -60,11 +60,13 @@ def own_buffers(grads: list[torch.Tensor], params: list[torch.Tensor]) -> list[t
     dense (an expanded gradient) is copied first. Disjoint views of one buffer (the gradients
     of one all-reduce bucket, functional_pp/parallel/buckets/pending.py) are kept as they are."""
     params_at = {physical(p).untyped_storage().data_ptr() for p in params}
+    local_grads = [physical(g) for g in grads]
+    ptrs = [x.untyped_storage().data_ptr() for x in local_grads]
+    if len(set(ptrs)) == len(ptrs) and params_at.isdisjoint(ptrs) and all(x.is_contiguous() for x in local_grads):
+        return list(grads)      # each its own storage, none a parameter's: nothing can overlap (the usual case)
     taken: dict[int, list[tuple[int, int]]] = {}      # storage -> byte spans given out, sorted
     out = []
-    for g in grads:
-        local = physical(g)
-        ptr = local.untyped_storage().data_ptr()
+    for g, local, ptr in zip(grads, local_grads, ptrs):
         span = _byte_span(local)
         if ptr in params_at or not local.is_contiguous() or _overlaps(taken.get(ptr, ()), span):
             g = g.clone(memory_format=torch.contiguous_format)

@@ -168,15 +168,20 @@ def finish_update(s: StepParts, update: UpdateStrategy, params, leaves: list, tr
     applied to the trainable leaves with their gradients ``grads``, the deferred mode's device-side choice,
     the frozen leaves merged back, and the metrics (loss ``total``, gradient norm, learning
     rate, ``tokens``, flags, the loss's reported ``values``) as a :class:`DeviceStepResult`."""
-    trained = s.spec.trainable_tree(params)      # the optimizer's tree: the trainable leaves
-    up = update.apply(grads, tree_flatten(trained)[1], trained, opt_state, total, groups,
-                      params_finite=params_finite, peaks=peaks, reduce_on=reduce_on)
+    if s.spec.frozen:       # the optimizer's tree: the trainable leaves
+        trained = s.spec.trainable_tree(params)
+        trained_leaves, trained_spec = tree_flatten(trained)
+    else:                   # every leaf trains: the step's one flatten of the parameters serves
+        trained, trained_leaves, trained_spec = params, leaves, treespec
+    up = update.apply(grads, trained_spec, trained, opt_state, total, groups, params_finite=params_finite,
+                      peaks=peaks, reduce_on=reduce_on, param_leaves=trained_leaves)
     # deferred: the skip chosen on the device (step/metrics_modes.py)
-    up.params, up.opt_state = s._metrics.chosen(up, tree_leaves(trained), opt_state)
+    up.params, up.opt_state = s._metrics.chosen(up, trained_leaves, opt_state)
     up.params = s.spec.merged(leaves, treespec, up.params)     # the frozen leaves as they were
     lr = s.lr_schedule(count) if s.lr_schedule is not None else torch.zeros((), device=total.device)
     # the skip and the flags as integers in one cast (one launch, not one per flag)
-    skip, *flags = torch.stack([~up.finite, *up.flags.values()]).to(torch.int64).unbind()
+    skip, *flags = torch.stack([~up.finite if up.skip is None else up.skip, *up.flags.values()]
+                               ).to(torch.int64).unbind()
     metrics = {"loss": total, "grad_norm": up.grad_norm,
                "lr": torch.as_tensor(lr, dtype=torch.float32, device=total.device),
                "tokens": tokens, "skipped": skip, **dict(zip(up.flags, flags)),

@@ -19,14 +19,14 @@ class NonFiniteError(FloatingPointError):
     many consecutive steps were skipped (``max_consecutive_skips``)."""
 
 
-def nonfinite_flags(loss_ok: torch.Tensor, grad_ok: torch.Tensor, update_ok: torch.Tensor | None = None) -> dict:
-    """The step's 0-dim bool flags from its checks (``torch.isfinite`` of the loss and of the
-    gradients' global norm, computed once by the update phase): ``nonfinite_loss``,
+def nonfinite_flags(loss_bad: torch.Tensor, grad_bad: torch.Tensor, update_ok: torch.Tensor | None = None) -> dict:
+    """The step's 0-dim bool flags from its checks (whether the loss and the gradients' global
+    norm are not finite, computed once by the update phase): ``nonfinite_loss``,
     ``nonfinite_grad`` (a NaN or inf gradient element makes the global norm non-finite, as does
     a norm beyond the dtype's range) and ``nonfinite_update`` (an update that is not finite or
     overflows the parameters; ``update_ok`` None: not checked, False)."""
-    return {"nonfinite_loss": ~loss_ok, "nonfinite_grad": ~grad_ok,
-            "nonfinite_update": torch.zeros_like(loss_ok) if update_ok is None else ~update_ok}
+    return {"nonfinite_loss": loss_bad, "nonfinite_grad": grad_bad,
+            "nonfinite_update": torch.zeros_like(loss_bad) if update_ok is None else ~update_ok}
 
 
 def keep_or_raise(metrics: dict, old: dict, params: Any, opt_state: Any, *, written: bool, on_nonfinite: str,

@@ -184,7 +184,8 @@ class TrainStep(StepSettings):
             fn = self._compiled.donated(self._device_step)     # one wrapper (one backend) for every device
             reset_region_ids()       # same guard state every call: no recompilation
         t0 = time.perf_counter()
-        finite = self._bound.params_finite(tree_leaves(state["params"]))
+        param_leaves = tree_leaves(state["params"])
+        finite = self._bound.params_finite(param_leaves)
         bound, peaks = self._carried_peaks(state) if step_compile else (None, None)
         try:
             with self._settings(step_compile, layer_compile), \
@@ -198,7 +199,9 @@ class TrainStep(StepSettings):
         # read every step, or kept unread (metrics="deferred"): step/metrics_modes.py
         new, metrics, peaks = self._metrics.finish(state, batch, out, id_checks, t0)
         out = None
-        self._bound.remember(tree_leaves(new["params"]), finite, bound, new["opt_state"],
+        # (a state written in place, or a skipped step's, returns the very tree given: flattened once)
+        new_leaves = param_leaves if new["params"] is state["params"] else tree_leaves(new["params"])
+        self._bound.remember(new_leaves, finite, bound, new["opt_state"],
                              self.spec.trainable_tree(new["params"]), peaks)
         return new, metrics
 

@@ -43,6 +43,7 @@ from functional_pp._torch import is_tracing
 from functional_pp.core.tree import tree_leaves, tree_map, tree_unflatten
 from functional_pp.ops.realize import computed_once
 from functional_pp.optim.bounds import UpdateBound, carried_norms, grad_and_bound_norms
+from functional_pp.optim.clipping import sq_sums
 from functional_pp.parallel.collectives import psum
 from functional_pp.step.buffers import acc_dtype, keep_if, own_buffers, write_into
 from functional_pp.step.nonfinite import nonfinite_flags
@@ -63,6 +64,7 @@ class Updated:
     finite: torch.Tensor
     written: bool
     peaks: list | None = None     # the carried peaks of the bound's terms after this step (given ``peaks``)
+    skip: torch.Tensor | None = None     # ``~finite``, where the update phase has it (no op to negate ``finite``)
 
 
 class UpdateStrategy:
@@ -77,7 +79,8 @@ class UpdateStrategy:
     donated step then reads no term; docs/optim.md "Peaks carried instead of read"); the
     result's ``peaks`` are those after this step. ``reduce_on``: the device whose collectives
     complete the norms and checks of an update running elsewhere (CPU offload: NCCL reduces no
-    host tensor)."""
+    host tensor). ``param_leaves``: the leaves of ``params`` where the caller has flattened them
+    (the step does, once: no other flatten of the parameters here)."""
 
     optimizer: optim.GradientTransformation
     eager: "UpdateStrategy"                # this step's device function run eager: itself, but for a compiled step's
@@ -85,7 +88,7 @@ class UpdateStrategy:
 
     def apply(self, grads: list[torch.Tensor], treespec: Any, params: Any, opt_state: Any, loss: torch.Tensor,
               groups: AxisGroups, *, params_finite: torch.Tensor | None = None, peaks: list | None = None,
-              reduce_on: torch.device | None = None) -> Updated:
+              reduce_on: torch.device | None = None, param_leaves: list | None = None) -> Updated:
         raise NotImplementedError
 
     def redo(self, step: Any, state: dict, batch: dict) -> Updated:
@@ -112,11 +115,11 @@ class InNewBuffers(UpdateStrategy):
         raise RuntimeError(f"an update {type(self).__name__} makes is never held, so never redone")
 
     def apply(self, grads, treespec, params, opt_state, loss, groups, *, params_finite=None, peaks=None,
-              reduce_on=None) -> Updated:
-        groups, sq_reducer, grad_tree, grad_norm, finite, ok = _norm_and_checks(grads, treespec, params, loss, groups,
-                                                                                reduce_on)
-        return _in_new_buffers(self.optimizer, grad_tree, params, opt_state, finite, groups, grad_norm, ok,
-                               sq_reducer)
+              reduce_on=None, param_leaves=None) -> Updated:
+        groups, sq_reducer, gs, grad_norm, bad, skip = _norm_and_checks(grads, params, loss, groups, reduce_on,
+                                                                        param_leaves)
+        return _in_new_buffers(self.optimizer, tree_unflatten(treespec, gs), params, opt_state, bad, groups,
+                               grad_norm, ~skip, sq_reducer)
 
 
 class InPlace(UpdateStrategy):
@@ -128,13 +131,17 @@ class InPlace(UpdateStrategy):
         self.eager, self.without_donation = self, InNewBuffers(optimizer)
 
     def apply(self, grads, treespec, params, opt_state, loss, groups, *, params_finite=None, peaks=None,
-              reduce_on=None) -> Updated:
-        groups, sq_reducer, grad_tree, grad_norm, finite, ok = _norm_and_checks(grads, treespec, params, loss, groups,
-                                                                                reduce_on)
-        held = self.step_in_place(grad_tree, opt_state, params, skip=~ok, grad_norm=grad_norm,
-                                  norm_reducer=sq_reducer, params_finite=params_finite)
-        flags = {**nonfinite_flags(*finite), "update_held": held}
-        return Updated(params, opt_state, grad_norm, flags, ok & ~held, True)
+              reduce_on=None, param_leaves=None) -> Updated:
+        if param_leaves is None:
+            param_leaves = tree_leaves(params)
+        groups, sq_reducer, gs, grad_norm, bad, skip = _norm_and_checks(grads, params, loss, groups, reduce_on,
+                                                                        param_leaves)
+        # the leaves passed as they are (the step's in-place contract takes lists): no tree built, none flattened
+        held = self.step_in_place(gs, opt_state, params, skip=skip, grad_norm=grad_norm, norm_reducer=sq_reducer,
+                                  params_finite=params_finite, leaves=(param_leaves, gs))
+        flags = {**nonfinite_flags(*bad), "update_held": held}
+        skipped = skip | held      # (nothing written: skipped or held)
+        return Updated(params, opt_state, grad_norm, flags, ~skipped, True, skip=skipped)
 
 
 class WrittenUnderGuard(UpdateStrategy):
@@ -149,7 +156,7 @@ class WrittenUnderGuard(UpdateStrategy):
         self.without_donation = InNewBuffers(optimizer)
 
     def apply(self, grads, treespec, params, opt_state, loss, groups, *, params_finite=None, peaks=None,
-              reduce_on=None) -> Updated:
+              reduce_on=None, param_leaves=None) -> Updated:
         groups, sq_reducer = _reduction(groups, reduce_on)
         grad_tree = _grad_tree(grads, treespec, params)
         bound = self.bound
@@ -162,10 +169,10 @@ class WrittenUnderGuard(UpdateStrategy):
                                                       params_finite)
         else:
             grad_norm = optim.global_norm(grad_tree, sq_reducer)
-        finite = finite_scalar(loss), finite_scalar(grad_norm)     # known before the update (once: the flags' too)
-        ok = finite[0] & finite[1]
+        bad = nonfinite_scalar(loss), nonfinite_scalar(grad_norm)     # known before the update (once: the flags' too)
+        ok = ~(bad[0] | bad[1])
         shown = bound.shows_finite(bound_n, opt_state, params) if bound is not None else None
-        up = _in_new_buffers(self.optimizer, grad_tree, params, opt_state, finite, groups, grad_norm, ok, sq_reducer,
+        up = _in_new_buffers(self.optimizer, grad_tree, params, opt_state, bad, groups, grad_norm, ok, sq_reducer,
                              check=False)
         # scalars only: the writes wait for no reduction over the update (one pass)
         write = ok & shown if shown is not None else ok
@@ -177,7 +184,7 @@ class WrittenUnderGuard(UpdateStrategy):
         if shown is not None:
             # held (nothing written) where the bound could not show the update finite: the host
             # makes it in new buffers (:meth:`redo`; docs/optim.md "Bound before the update")
-            flags = {**nonfinite_flags(*finite), "update_held": ok & ~shown}
+            flags = {**nonfinite_flags(*bad), "update_held": ok & ~shown}
             up.flags, up.finite, up.written = flags, write, True
             if carry:     # advanced where written; a held or skipped step leaves the terms as they were
                 up.peaks = [torch.where(write, new, old)
@@ -186,7 +193,7 @@ class WrittenUnderGuard(UpdateStrategy):
         # no bound: checked as written (the old values where skipped), a reduction that reads the
         # stored parameters instead of computing the update a second time
         update_ok = all_finite(tree_leaves(up.params), groups)
-        up.flags, up.finite, up.written = nonfinite_flags(*finite, update_ok), ok & update_ok, True
+        up.flags, up.finite, up.written = nonfinite_flags(*bad, update_ok), ok & update_ok, True
         return up
 
 
@@ -203,56 +210,69 @@ def choose_update(optimizer: optim.GradientTransformation, *, donate_state: bool
     return eager
 
 
-def _norm_and_checks(grads: list[torch.Tensor], treespec: Any, params: Any, loss: torch.Tensor, groups: AxisGroups,
-                     reduce_on: torch.device | None):
+def _norm_and_checks(grads: list[torch.Tensor], params: Any, loss: torch.Tensor, groups: AxisGroups,
+                     reduce_on: torch.device | None, param_leaves: list | None = None):
     """What an update without a bound knows before it runs: the groups and the squared-sums reducer
-    (:func:`_reduction`), the gradients' tree (:func:`_grad_tree`), their global norm, whether the
-    loss and the norm are finite (computed once: the flags' too) and both."""
+    (:func:`_reduction`), the gradients as the optimizer's own leaves (:func:`_grad_leaves`), their
+    global norm (``optim.global_norm``'s, from the leaves: no tree made and flattened again), whether
+    the loss and the norm are not finite (computed once: the flags' too) and either (the skip)."""
     groups, sq_reducer = _reduction(groups, reduce_on)
-    grad_tree = _grad_tree(grads, treespec, params)
-    grad_norm = optim.global_norm(grad_tree, sq_reducer)
-    finite = finite_scalar(loss), finite_scalar(grad_norm)
-    return groups, sq_reducer, grad_tree, grad_norm, finite, finite[0] & finite[1]
+    gs = _grad_leaves(grads, params, param_leaves)
+    grad_norm = torch.sqrt(complete(sq_sums(gs), groups))
+    bad = nonfinite_scalar(loss), nonfinite_scalar(grad_norm)
+    return groups, sq_reducer, gs, grad_norm, bad, bad[0] | bad[1]
 
 
-def finite_scalar(x: torch.Tensor) -> torch.Tensor:
-    """``torch.isfinite`` of a 0-dim float value. Eager, ``x - x == 0`` (0 for a finite value,
-    NaN for an inf or NaN): the same flag in 2 ops where ``isfinite`` decomposes into 4 (abs,
-    ne, eq, mul); traced, ``isfinite`` itself (a compiler may fold ``x - x`` to 0)."""
-    return torch.isfinite(x) if is_tracing() else (x - x) == 0
+def nonfinite_scalar(x: torch.Tensor) -> torch.Tensor:
+    """Whether a 0-dim float value is not finite (``~torch.isfinite``). Eager, ``x - x != 0`` (0
+    for a finite value, NaN for an inf or NaN): the flag in 2 ops where ``isfinite`` decomposes
+    into 4 (abs, ne, eq, mul) and its negation is a fifth; traced, ``~isfinite`` itself (a
+    compiler may fold ``x - x`` to 0)."""
+    return ~torch.isfinite(x) if is_tracing() else (x - x) != 0
 
 
 def _reduction(groups: AxisGroups, reduce_on: torch.device | None):
     """The groups with the device their collectives run on, and the squared-sums reducer the
-    optimizer's norms use (:func:`complete` over them)."""
+    optimizer's norms use (:func:`complete` over them; a flat list of tensors, what the step's own
+    callers pass, is not flattened again)."""
     groups = [(axes, group, reduce_on) for axes, group in groups]
 
     def sq_reducer(sq_sums: Any) -> torch.Tensor:
-        return complete(tree_leaves(sq_sums), groups)
+        flat = type(sq_sums) is list and all(isinstance(x, torch.Tensor) for x in sq_sums)
+        return complete(sq_sums if flat else tree_leaves(sq_sums), groups)
     return groups, sq_reducer
+
+
+def _grad_leaves(grads: list[torch.Tensor], params: Any, param_leaves: list | None = None) -> list[torch.Tensor]:
+    """The gradients as buffers the optimizer may overwrite (eager: ``own_buffers``), the list
+    ``grads`` emptied."""
+    if is_tracing():
+        out = list(grads)
+    else:
+        out = own_buffers(grads, tree_leaves(params) if param_leaves is None else param_leaves)
+    grads.clear()
+    return out
 
 
 def _grad_tree(grads: list[torch.Tensor], treespec: Any, params: Any) -> Any:
     """The gradients as a tree, the list emptied (eager: the optimizer may overwrite the step's
     own gradient buffers)."""
-    tree = tree_unflatten(treespec, grads if is_tracing() else own_buffers(grads, tree_leaves(params)))
-    grads.clear()
-    return tree
+    return tree_unflatten(treespec, _grad_leaves(grads, params))
 
 
-def _in_new_buffers(optimizer, grad_tree, params, opt_state, finite, groups, grad_norm, ok, sq_reducer,
+def _in_new_buffers(optimizer, grad_tree, params, opt_state, bad, groups, grad_norm, ok, sq_reducer,
                     check: bool = True) -> Updated:
     """The pure update (eager: in the step's own gradient buffers), then (``check``) its finiteness
-    (``finite``: whether the loss and the gradients' norm are finite)."""
+    (``bad``: whether the loss and the gradients' norm are not finite; ``ok``: neither is)."""
     donate = not is_tracing()
     updates, new_opt = optim.update_with(optimizer, grad_tree, opt_state, params, norm_reducer=sq_reducer,
                                          donate_updates=donate, grad_norm=grad_norm)
     new_params = optim.apply_updates(params, updates, donate_updates=optim.returns_fresh(optimizer, donate))
     updates = None
     if not check:
-        return Updated(new_params, new_opt, grad_norm, nonfinite_flags(*finite), ok, False)
+        return Updated(new_params, new_opt, grad_norm, nonfinite_flags(*bad), ok, False)
     update_ok = all_finite(tree_leaves(new_params), groups)
-    return Updated(new_params, new_opt, grad_norm, nonfinite_flags(*finite, update_ok), ok & update_ok, False)
+    return Updated(new_params, new_opt, grad_norm, nonfinite_flags(*bad, update_ok), ok & update_ok, False)
 
 
 def complete(values: list[torch.Tensor], groups: AxisGroups) -> torch.Tensor:

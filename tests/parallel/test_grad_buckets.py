@@ -153,6 +153,20 @@ def test_reduced_gradients_are_views_of_their_bucket_and_owned_by_the_step():
     assert out[3].untyped_storage().data_ptr() != param.untyped_storage().data_ptr()
 
 
+def test_own_buffers_keeps_separate_gradients_and_copies_a_parameter_or_a_broadcast():
+    """Gradients each in its own storage (the usual eager step) are kept as they are, without the
+    per-gradient span walk; one that is a parameter's memory or not dense is still copied."""
+    from functional_pp.step.buffers import own_buffers
+    params = [torch.zeros(3), torch.zeros(4)]
+    grads = [torch.ones(3), torch.ones(4)]
+    out = own_buffers(grads, params)
+    assert all(o is g for o, g in zip(out, grads))
+    for bad in (params[1], torch.ones(1).expand(4)):
+        out = own_buffers([grads[0], bad], params)
+        assert out[0] is grads[0] and out[1] is not bad and torch.equal(out[1], bad)
+        assert out[1].is_contiguous() and out[1].untyped_storage().data_ptr() != bad.untyped_storage().data_ptr()
+
+
 def test_bad_bucket_size_is_refused():
     with pytest.raises(ValueError, match="bucket_mb must be a size in megabytes"):
         fpp.train_step(llama.loss, fpp.optim.adamw(1e-3), bucket_mb=-1)

@@ -202,17 +202,39 @@ def _update_phase_ops(monkeypatch, step, state) -> list[str]:
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_the_in_place_update_phase_takes_a_bounded_number_of_ops(monkeypatch, precision):
-    """Eager, donated AdamW with clipping and a constant rate: the gradient norm, the finiteness
-    of loss and norm (2 ops each), the pre-update bound (its rate checks on the host), one fused
-    kernel and the metrics' stack are about sixty ops, most on 0-dim values, however many leaves
-    (docs/eager_overhead.md "The update phase"; 81 before issue 38's cuts, 68 without clipping)."""
+    """Eager, donated AdamW with clipping and a constant rate: the gradient norm, whether loss and
+    norm are not finite (2 ops each), the pre-update bound (its rate checks on the host), one
+    fused kernel and the metrics' stack are about sixty ops, most on 0-dim values, however many
+    leaves (docs/eager_overhead.md "The update phase"; 81 before issue 38's cuts, then 72, now 64)."""
     step, state = _step(precision=precision, donate_state=True)
     state, _ = step(state, _batch(1))
     ops = _update_phase_ops(monkeypatch, step, state)
     assert ops.count("_fused_adamw_") == 1
-    assert ops.count("isfinite") == 0 and ops.count("abs") == 0, "loss and norm checked as x - x == 0"
+    assert ops.count("isfinite") == 0 and ops.count("abs") == 0, "loss and norm checked as x - x != 0"
     assert ops.count("clamp") <= 1, "a constant rate's checks made on the host (the clipping's clamp only)"
-    assert len(ops) <= 75, " ".join(ops)
+    assert ops.count("bitwise_not") <= 3, "the flags are kept as 'not finite': no negation of each"
+    assert ops.count("where") <= 1 and ops.count("ones_like") == 0, "a held step's clipping factor: one masked_fill"
+    assert len(ops) <= 64, " ".join(ops)
+
+
+def test_a_step_flattens_the_parameter_and_state_trees_a_few_times(monkeypatch):
+    """The eager donated step flattens the parameters once in the call and once on the device
+    (the leaves passed on from there) and the two moment trees once each: four whole-tree flattens
+    a step, where it made fourteen (docs/eager_overhead.md, "Issue 38")."""
+    step, state = _step(donate_state=True)
+    state, _ = step(state, _batch(1))
+    n_params = len(optree.tree_leaves(state["params"]))
+    seen, leaves = [], optree.tree_leaves
+    for name in ("tree_leaves", "tree_flatten", "tree_iter", "tree_map", "tree_flatten_with_path"):
+        original = getattr(optree, name)
+
+        def counted(tree, *a, _o=original, _n=name, **k):
+            if len(leaves(tree, none_is_leaf=False)) >= n_params:   # (a whole tree, not a few values)
+                seen.append(_n)
+            return _o(tree, *a, **k)
+        monkeypatch.setattr(optree, name, counted)
+    step(state, _batch(2))
+    assert len(seen) <= 4, seen
 
 
 def test_the_bound_derives_its_dtype_margins_once(monkeypatch):
@@ -227,3 +249,21 @@ def test_the_bound_derives_its_dtype_margins_once(monkeypatch):
     for seed in range(3):
         state, _ = step(state, _batch(seed))
     assert calls == [frozenset({torch.float32})]
+
+
+def test_the_fused_adamw_plan_is_derived_once_per_state(monkeypatch):
+    """The in-place AdamW's per-leaf plan (whether its kernel applies to the parameters and
+    moments, its groups) is derived at a state's first step and kept while the step is given the
+    very tensors (a donated state); another state's tensors derive it again."""
+    fused = importlib.import_module("functional_pp.optim.fused")
+    calls = []
+    original = fused._states_fit
+    monkeypatch.setattr(fused, "_states_fit", lambda *a: calls.append(1) or original(*a))
+    step, state = _step(donate_state=True)
+    for seed in range(3):
+        state, m = step(state, _batch(seed))
+        assert m["skipped"] == 0
+    assert len(calls) == 1
+    other = step.init(fpp.init(llama.init, CFG, seed=1))
+    other, m = step(other, _batch(0))
+    assert len(calls) == 2 and m["skipped"] == 0
