@@ -29,6 +29,7 @@ CATEGORIES = ("weights", "optimizer state", "weights in flight", "activations", 
 _aten = torch.ops.aten
 _MATMULS = {_aten.mm.default: "mm", _aten.bmm.default: "bmm", _aten.addmm.default: "addmm",
             _aten.baddbmm.default: "baddbmm"}
+_16BIT = (torch.bfloat16, torch.float16)
 _LOGITS_GRAD = {_aten._log_softmax_backward_data.default, _aten.nll_loss_backward.default,
                 _aten.nll_loss2d_backward.default}
 _NO_TRAFFIC = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided", "detach", "alias",
@@ -217,12 +218,20 @@ class MemoryTracker(TorchDispatchMode):
     all-gather and reduce-scatter streams (plan/fsdp2.py); ``expandable_segments``:
     the allocator's setting of that name (plan/allocator.py). ``needed`` (compiled selective
     layers: what backward reads of each, by position) with ``selective``, the policy's name
-    (compile/selective.py): the results it keeps, the rest recomputed."""
+    (compile/selective.py): the results it keeps, the rest recomputed. ``float8``: the layers'
+    matmuls are torchao's Float8 linear layers', their operands' fp8 copies counted
+    (:meth:`_float8_casts`); ``float8_all_gather``: the layers' matrix weights gathered in fp8,
+    1 byte per element."""
 
     def __init__(self, baseline: dict[str, int], param_tensors, report: CommReport | None = None,
                  timeline: bool = True, baseline_sizes=None, compiled: bool = False, needed=None,
-                 fsdp2_streams: bool = False, expandable_segments: bool = False, selective: str = "selective"):
+                 fsdp2_streams: bool = False, expandable_segments: bool = False, selective: str = "selective",
+                 float8: bool = False, float8_all_gather: bool = False):
         super().__init__()
+        self.float8, self.float8_all_gather = float8, float8_all_gather     # Float8 linear layers' buffers
+        self._seq_cast = 0
+        self._float8_kept: dict = {}         # (layer, weight shape) -> eager fp8 weight copies saved for backward
+        self._checkpointed_forward = 0       # checkpointed regions open in forward
         self.selective = selective           # the selective policy of the layers when ``needed`` is given
         self._open_matmuls = 0               # matrix products in the open layer's forward so far
         self.fsdp2_streams = fsdp2_streams
@@ -284,6 +293,7 @@ class MemoryTracker(TorchDispatchMode):
         its recomputation counts for the layer it ran in forward (the dry-run extrapolates
         per layer), and its collectives are tagged ``recompute``."""
         if not recompute:
+            self._checkpointed_forward += 1 if entering else -1
             if entering:
                 self._region_layer[region] = self.layer
             return
@@ -344,6 +354,7 @@ class MemoryTracker(TorchDispatchMode):
                 self.layer = max(layers)
         if self.compiled:
             self._follow_compiled()
+        casts = self._float8_casts(func, args)   # (Float8's operand copies, live during the product)
         out = call_meta(func, args, kwargs)     # (meta: memoised; real tensors: the kernel)
         name = func.__name__ if hasattr(func, "__name__") else str(func)
         launch = _LAUNCHES.get(func)
@@ -360,6 +371,8 @@ class MemoryTracker(TorchDispatchMode):
             self._tag_events(name, derived, inputs, any(a is not None and a.widened for a in in_allocs))
         for t in _tensors(out):
             self._allocate(t, name, derived, func, inputs)
+        for key in casts:
+            self._free(key)
         if self._open is not None:
             self._record(func, inputs, in_allocs, out)
         if func is _aten._log_softmax.default:           # the loss's input and its log-softmax
@@ -388,6 +401,8 @@ class MemoryTracker(TorchDispatchMode):
         if key in self._live or key in self._param_ids:
             return
         nbytes = storage.nbytes()
+        if derived and self.float8_all_gather and self.layer is not None and t.dim() == 2 and t.dtype in _16BIT:
+            nbytes = t.numel()               # a layer's matrix weight gathered in fp8 (float8_all_gather)
         if derived:
             category = "weights in flight"
             self._weight_shapes.add(tuple(t.shape))
@@ -402,15 +417,22 @@ class MemoryTracker(TorchDispatchMode):
         widened = (func is _aten._to_copy.default and t.dtype == torch.float32 and len(inputs) == 1
                    and inputs[0].dtype in (torch.bfloat16, torch.float16))
         alloc = _Alloc(nbytes, category, op, self.layer, self.phase, derived, self.recomputing, widened, key)
-        self._live[key] = alloc
         kind, self._collective = self._collective, None        # (the collective's output is its first)
         if kind == "all_gather":             # (stands for FSDP2's copy-out, on the compute stream)
             self._gathers.append(((self.layer, self.phase, self.recomputing), nbytes))
-        self.allocator.malloc(key, nbytes, fsdp2.REDUCE_SCATTER_STREAM if kind == "reduce_scatter" else COMPUTE)
+        self._add(alloc, fsdp2.REDUCE_SCATTER_STREAM if kind == "reduce_scatter" else COMPUTE)
+        weakref.finalize(storage, self._free, key)
+
+    def _add(self, alloc: _Alloc, stream=COMPUTE) -> None:
+        """Count a new allocation (a storage, or a buffer the program's kernels would make that
+        the dry-run's ops do not: Float8's casts) and update the peaks."""
+        key, nbytes, category = alloc.key, alloc.nbytes, alloc.category
+        self._live[key] = alloc
+        self.allocator.malloc(key, nbytes, stream)
         self._note_reserved()
         self._totals[category] += nbytes
         self._current += nbytes
-        weakref.finalize(storage, self._free, key)
+        self._count_activation(alloc, 1)
         for levers in OFFLOAD_LEVERS:
             device, host = self.split(*levers)
             was = self.run.offload_peaks.get(levers, (0, 0))
@@ -419,7 +441,54 @@ class MemoryTracker(TorchDispatchMode):
         if self._current > self.run.peak_bytes:
             self.run.peak_bytes = self._current
             self.run.peak_breakdown = {c: v for c, v in self._totals.items() if v}
-            self.run.peak_at = f"{self.phase} {op}" + (f" (layer {self.layer})" if self.layer is not None else "")
+            self.run.peak_at = f"{self.phase} {alloc.op}" + (f" (layer {self.layer})" if self.layer is not None else "")
+
+    # -------------------------------------------------------------- Float8
+    def _float8_casts(self, func, args) -> list:
+        """The fp8 copies of a layer matmul's operands that torchao's Float8 linear layers make
+        (dynamic tensorwise scaling; docs/planning.md, "Float8's memory"), allocated before the
+        product: each operand's, but a weight gathered in fp8 read by a forward product (its
+        transpose is already the column-major operand ``_scaled_mm`` takes). Compiled layers
+        fuse each cast into one kernel (1 byte per element); eager runs torchao's
+        ``tensor.to(float32) * scale``, its clamp and the cast (fp32 temporaries of 8 bytes per
+        element, freed after it). Returns the keys to free after the product.
+
+        Eager, a weight's fp8 copy is made outside torchao's autograd function, which saves it for
+        backward: a forward product's (outside a checkpointed region, whose forward saves nothing)
+        or a recomputed one's is kept, as an activation, until the layer's backward product that
+        reads that weight. Compiled, the partitioner recomputes it from the weight (free to save)."""
+        if not (self.float8 and func in _MATMULS and self.layer is not None and self.phase != "update"):
+            return []
+        operands = (args[0], args[1]) if func in (_aten.mm.default, _aten.bmm.default) else (args[1], args[2])
+        forward = self.phase == "forward" or self.recomputing
+        keys = []
+        for t in operands:
+            al = self._live.get(id(t.untyped_storage()))
+            weight = id(t.untyped_storage()) in self._param_ids or (al is not None and al.param_derived)
+            gathered = weight and al is not None and self.float8_all_gather and t.dim() == 2
+            if (gathered and forward) or t.dtype not in _16BIT:
+                continue
+            n = t.numel()
+            temps = [] if self.compiled else [self._cast_buffer(4 * n, "float8 scale (fp32)"),
+                                               self._cast_buffer(4 * n, "float8 clamp (fp32)")]
+            held = (self.layer, tuple(sorted(t.shape)))           # (the weight or its transpose)
+            if weight and not self.compiled and forward and (self.recomputing or not self._checkpointed_forward):
+                self._float8_kept.setdefault(held, []).append(self._cast_buffer(n, "float8 weight", "activations"))
+            else:
+                keys.append(self._cast_buffer(n, "float8 cast"))
+                if weight and not forward and self._float8_kept.get(held):
+                    keys.append(self._float8_kept[held].pop())          # its backward has read it
+            for k in temps:
+                self._free(k)
+        return keys
+
+    def _cast_buffer(self, nbytes: int, op: str, category: str | None = None):
+        self._seq_cast += 1
+        key = ("float8", self._seq_cast)
+        category = category or ("forward temporaries" if self.phase == "forward"
+                                else "gradients and backward temporaries")
+        self._add(_Alloc(nbytes, category, op, self.layer, self.phase, False, self.recomputing, False, key))
+        return key
 
     def _note_reserved(self) -> None:
         self.run.peak_reserved = max(self.run.peak_reserved, self._reserved_base + self.allocator.peak_reserved)
