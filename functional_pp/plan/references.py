@@ -185,7 +185,8 @@ WHITEFIBER_2025 = ("torchtitan's llama3-8b_h200_202506_trainy-whitefiber.md (its
 WHITEFIBER_MEMORY = ("held out: 5.3 GiB under at 64 GPUs (4.5 at 32), with Float8's buffers modelled (the operands' "
                      "fp8 copies live during each product, the layers' weights gathered in fp8: 0.16 GiB less "
                      "reserved than without, the fp8 gathers' smaller pool; docs/planning.md, \"Float8's memory\"); "
-                     "what is left is not Float8's: the bf16 8B rows are 2 to 5 GiB under too. Not known: whether "
+                     "what is left is not Float8's: torchtitan's bf16 8B rows of December 2024 are 1.0 to 5.2 GiB "
+                     "under too. Not known: whether "
                      "the run set expandable_segments")
 
 

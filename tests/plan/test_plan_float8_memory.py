@@ -78,3 +78,19 @@ def test_a_float8_step_frees_every_fp8_copy_by_its_end(remat):
         assert runs[True, False].peak_bytes >= runs[False, False].peak_bytes, compiled
         if not compiled and not remat:     # (the peak is in the update; eager without checkpointing goes above)
             assert runs[True, False].peak_bytes > runs[False, False].peak_bytes
+
+
+def test_search_estimates_each_layout_with_float8_buffers():
+    """``plan.search(float8=True)`` (``functional-pp plan --float8``): each layout's memory is the
+    dry-run with Float8's buffers, its time costed with Float8."""
+    import functools
+
+    from functional_pp import plan
+    from functional_pp.models import llama
+    cfg = llama.Config.tiny(layers=2, hidden=64, mlp=128, vocab=64)
+    batch = {"tokens": ((4, 32), "batch seq"), "labels": ((4, 32), "batch seq")}
+    space = plan.Space(remat=(False,), keep_gathered=(False,), cp_attention=("ring",), precision="bf16",
+                       max_axis={"tp": 1, "cp": 1, "pp": 1})
+    res = plan.search(functools.partial(llama.loss, cfg=cfg), llama.init(cfg), 2, batch, cluster="h100x8",
+                      space=space, float8=True, cost_model=functools.partial(plan.cost, float8=True))
+    assert res and all(e.settings["float8"] for e in res)
