@@ -29,7 +29,7 @@ CATEGORIES = ("weights", "optimizer state", "weights in flight", "activations", 
 _aten = torch.ops.aten
 _MATMULS = {_aten.mm.default: "mm", _aten.bmm.default: "bmm", _aten.addmm.default: "addmm",
             _aten.baddbmm.default: "baddbmm"}
-_16BIT = (torch.bfloat16, torch.float16)
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _LOGITS_GRAD = {_aten._log_softmax_backward_data.default, _aten.nll_loss_backward.default,
                 _aten.nll_loss2d_backward.default}
 _NO_TRAFFIC = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided", "detach", "alias",
@@ -354,6 +354,10 @@ class MemoryTracker(TorchDispatchMode):
                 self.layer = max(layers)
         if self.compiled:
             self._follow_compiled()
+        if self._float8_kept and not self.recomputing and self.phase == "update":
+            self._release_float8(None)
+        elif self._float8_kept and not self.recomputing and self.phase == "backward" and self.layer is not None:
+            self._release_float8(self.layer)
         casts = self._float8_casts(func, args)   # (Float8's operand copies, live during the product)
         out = call_meta(func, args, kwargs)     # (meta: memoised; real tensors: the kernel)
         name = func.__name__ if hasattr(func, "__name__") else str(func)
@@ -401,7 +405,7 @@ class MemoryTracker(TorchDispatchMode):
         if key in self._live or key in self._param_ids:
             return
         nbytes = storage.nbytes()
-        if derived and self.float8_all_gather and self.layer is not None and t.dim() == 2 and t.dtype in _16BIT:
+        if derived and self.float8_all_gather and self.layer is not None and t.dim() == 2 and t.is_floating_point():
             nbytes = t.numel()               # a layer's matrix weight gathered in fp8 (float8_all_gather)
         if derived:
             category = "weights in flight"
@@ -451,7 +455,9 @@ class MemoryTracker(TorchDispatchMode):
         transpose is already the column-major operand ``_scaled_mm`` takes). Compiled layers
         fuse each cast into one kernel (1 byte per element); eager runs torchao's
         ``tensor.to(float32) * scale``, its clamp and the cast (fp32 temporaries of 8 bytes per
-        element, freed after it). Returns the keys to free after the product.
+        element, freed after it), and the weight gradient's product copies both fp8 operands
+        transposed (``preprocess_addmm``: 1 byte more each). Returns the keys to free after the
+        product.
 
         Eager, a weight's fp8 copy is made outside torchao's autograd function, which saves it for
         backward: a forward product's (outside a checkpointed region, whose forward saves nothing)
@@ -462,15 +468,18 @@ class MemoryTracker(TorchDispatchMode):
         operands = (args[0], args[1]) if func in (_aten.mm.default, _aten.bmm.default) else (args[1], args[2])
         forward = self.phase == "forward" or self.recomputing
         keys = []
-        for t in operands:
-            al = self._live.get(id(t.untyped_storage()))
-            weight = id(t.untyped_storage()) in self._param_ids or (al is not None and al.param_derived)
+        allocs = [self._live.get(id(t.untyped_storage())) for t in operands]
+        weights = [id(t.untyped_storage()) in self._param_ids or (al is not None and al.param_derived)
+                   for t, al in zip(operands, allocs)]
+        for t, al, weight in zip(operands, allocs, weights):
             gathered = weight and al is not None and self.float8_all_gather and t.dim() == 2
-            if (gathered and forward) or t.dtype not in _16BIT:
+            if (gathered and forward) or t.dtype in _FP8:
                 continue
             n = t.numel()
-            temps = [] if self.compiled else [self._cast_buffer(4 * n, "float8 scale (fp32)"),
-                                               self._cast_buffer(4 * n, "float8 clamp (fp32)")]
+            # backward reads a weight's fp8 copy (kept, gathered or, compiled, recast): a transposed copy only
+            cast = self.compiled or (weight and not forward)
+            temps = [] if cast else [self._cast_buffer(4 * n, "float8 scale (fp32)"),
+                                     self._cast_buffer(4 * n, "float8 clamp (fp32)")]
             held = (self.layer, tuple(sorted(t.shape)))           # (the weight or its transpose)
             if weight and not self.compiled and forward and (self.recomputing or not self._checkpointed_forward):
                 self._float8_kept.setdefault(held, []).append(self._cast_buffer(n, "float8 weight", "activations"))
@@ -480,7 +489,16 @@ class MemoryTracker(TorchDispatchMode):
                     keys.append(self._float8_kept[held].pop())          # its backward has read it
             for k in temps:
                 self._free(k)
+            if not self.compiled and not forward and not any(weights):
+                keys.append(self._cast_buffer(n, "float8 transposed copy"))   # the weight gradient's operands
         return keys
+
+    def _release_float8(self, layer: int | None) -> None:
+        """Free the kept fp8 weight copies of the layers after ``layer`` (all: None): backward has
+        left them (a weight no backward product read, its input not needing a gradient)."""
+        for held in [h for h in self._float8_kept if layer is None or h[0] > layer]:
+            for key in self._float8_kept.pop(held):
+                self._free(key)
 
     def _cast_buffer(self, nbytes: int, op: str, category: str | None = None):
         self._seq_cast += 1
@@ -571,6 +589,7 @@ class MemoryTracker(TorchDispatchMode):
         matmuls counted afresh, as torchtitan's op policy counts them per run of a block."""
         self.phase, self.layer = "forward", None
         self._mm_in_layer = {}
+        self._release_float8(None)
 
     def _policy_keeps(self, func) -> bool:
         """Whether the selective policy keeps the result of this call of ``func`` in the open
