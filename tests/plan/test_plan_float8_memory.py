@@ -94,3 +94,28 @@ def test_search_estimates_each_layout_with_float8_buffers():
     res = plan.search(functools.partial(llama.loss, cfg=cfg), llama.init(cfg), 2, batch, cluster="h100x8",
                       space=space, float8=True, cost_model=functools.partial(plan.cost, float8=True))
     assert res and all(e.settings["float8"] for e in res)
+
+
+def _weight_gradient(float8: bool) -> tuple[int, int, int]:
+    """One layer matmul on real tensors, y = x (64 x 16) @ W^T (W 8 x 16, bf16, trained) and
+    its backward (x needs no gradient: one product, W's gradient): the forward's peak, the
+    bytes live when backward reaches the product, the peak."""
+    w = torch.zeros(8, 16, dtype=torch.bfloat16, requires_grad=True)
+    x, g = torch.zeros(64, 16, dtype=torch.bfloat16), torch.zeros(64, 8, dtype=torch.bfloat16)
+    with MemoryTracker({"weights": w.nbytes}, [w], float8=float8) as tr:
+        tr.layer = 0
+        y = torch.mm(x, w.t())
+        forward = tr.run.peak_bytes
+        y.backward(g)
+    before = next(c for _, name, phase, _, c in tr.run.timeline if phase == "backward")
+    return forward, before, tr.run.peak_bytes
+
+
+def test_eager_float8_keeps_the_weight_copy_and_copies_the_weight_gradients_operands():
+    plain, float8 = _weight_gradient(False), _weight_gradient(True)
+    # forward: x's cast (9 bytes per element at its end) is the peak; W's fp8 copy (128) is kept
+    assert float8[0] == 256 + 9 * 64 * 16
+    assert float8[1] == plain[1] + 128
+    # backward's product g^T @ x: g's cast and its transposed copy (1 + 1 bytes per element),
+    # then x's cast (9 bytes per element at its end)
+    assert float8[2] == float8[1] + 2 * 64 * 8 + 9 * 64 * 16
