@@ -69,7 +69,8 @@ def rank_layouts(cfg, n_devices: int, cluster="h100x8", *, memory_gb: float | No
                  strategy: str = "auto", orders: str = "default", space: Space | None = None,
                  stream: IO[str] | None = None, float8: bool = False, jobs: int | None = None) -> Ranking:
     """Rank the layouts of training config ``cfg`` on ``n_devices`` of ``cluster`` (``float8``:
-    costed with Float8 linear layers, ``plan.cost(..., float8=True)``). Each layout is estimated
+    costed with Float8 linear layers, ``plan.cost(..., float8=True)``, their buffers in the
+    memory, ``plan.estimate(..., float8=True)``). Each layout is estimated
     as ``validate --memory`` estimates the config (its optimizer, precision, trained parameters);
     progress goes to ``stream`` (default stderr), rewritten in place only on a terminal; ``jobs``:
     worker processes for the dry-runs (default one per core; the ranking is the same)."""
@@ -97,6 +98,7 @@ def rank_layouts(cfg, n_devices: int, cluster="h100x8", *, memory_gb: float | No
                          memory_limit_bytes=limit, progress=progress, trainable=trainable,
                          pp_fsdp_gather=cfg.pp_fsdp_gather, optimizer=optimizer_from_config(cfg)[0],
                          compiled=compiled_layers(cfg), cost_model=functools.partial(cost, float8=float8),
+                         float8=float8,
                          amend=functools.partial(add_rollout, cfg, model_config(cfg), gb),
                          tokens_per_step=step_tokens(cfg, gb, row), jobs=jobs)
     print(("\r" + " " * 90 + "\r" if live else "") + f"  estimated {len(ranking) + len(ranking.rejected)} layouts "

@@ -238,7 +238,8 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
              label: str | None = None, trainable: Any = None, schedule: str = "1f1b",
              virtual_stages: int = 1, pp_fsdp_gather: str = "step",
              extrapolate_micro_steps: bool = True, compiled: bool = False,
-             fsdp2_streams: bool = False, expandable_segments: bool = False) -> LayoutEstimate:
+             fsdp2_streams: bool = False, expandable_segments: bool = False, float8: bool = False,
+             float8_all_gather: bool = False) -> LayoutEstimate:
     """Communication, memory and FLOPs per device of one training step of ``loss_fn`` under
     ``mesh`` and ``rules``, without running it: one representative device (``rank``) runs
     ``train_step``'s step on meta tensors: rank 0, or the busiest device when an op announces
@@ -283,13 +284,23 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
     (plan/allocator.py; docs/planning.md, "Reserved memory"). Off: every buffer on the compute
     stream, as this framework's own step allocates them. ``expandable_segments``: reserved memory
     under ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (each pool one segment growing at
-    its end; torchtitan's launcher sets it) instead of CUDA's default."""
+    its end; torchtitan's launcher sets it) instead of CUDA's default.
+
+    ``float8``: the layers' matmuls run as torchao's Float8 linear layers (dynamic tensorwise
+    scaling, torchtitan's ``float8`` converter): each product's operands are cast to fp8 copies
+    that live while it runs (docs/planning.md, "Float8's memory"); ``float8_all_gather`` (with
+    ``float8``): the layers' matrix weights are gathered in fp8 (torchao's
+    ``enable_fsdp_float8_all_gather``), 1 byte per element. Same flags as :func:`cost`'s."""
+    if float8_all_gather and not float8:
+        raise ValueError("estimate: float8_all_gather=True gathers the Float8 linear layers' weights in fp8; it "
+                         "needs float8=True")
     rules.check(mesh)
     if mesh.shape.get(PP, 1) > 1:
         return _estimate_pipeline(loss_fn, decls, mesh, rules, batch, dict(
             options=options, optimizer=optimizer, precision=precision, remat=remat, bandwidth=bandwidth,
             rank=rank, timeline=timeline, label=label, trainable=trainable, compiled=compiled,
-            fsdp2_streams=fsdp2_streams, expandable_segments=expandable_segments),
+            fsdp2_streams=fsdp2_streams, expandable_segments=expandable_segments, float8=float8,
+            float8_all_gather=float8_all_gather),
             grad_accum, repeated, schedule, virtual_stages, pp_fsdp_gather)
     options = dict(options or {})
     remat = options.pop("remat", remat)
@@ -306,7 +317,7 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
                     regather_activations=bool(options.get("regather_activations", False)),
                     cp_attention=options.get("cp_attention", "ring") if mesh.shape.get("cp", 1) > 1 else None,
                     offload_params=offload[0], activation_offloading=offload[1], label=label,
-                    compiled_layers=bool(compiled))
+                    compiled_layers=bool(compiled), float8=bool(float8), float8_all_gather=bool(float8_all_gather))
     layers_list = decls.get(repeated) if isinstance(decls, dict) and repeated else None
     n_layers = len(layers_list) if isinstance(layers_list, list) else 1
     lengths, layer_w = layer_plan(layer_kinds(layers_list)) if n_layers > 2 else ((n_layers,), None)
@@ -329,6 +340,7 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
     def run_on(device: int) -> list:
         return [_run_device(loss_fn, d, mesh, rules, b, options, optimizer, precision, g, remat,
                             repeated, device, timeline, trainable, compiled, fsdp2_streams, expandable_segments,
+                            (float8, float8_all_gather),
                             _learn_needed(loss_fn, d, mesh, rules, b, options, optimizer, precision, g, repeated,
                                           device, trainable) if compiled and is_selective(remat) else None,
                             offload=any(offload))
@@ -425,6 +437,9 @@ def _estimate_pipeline(loss_fn, decls, mesh: Mesh, rules: Rules, batch: BatchSpe
     per_device = n_layers // p
     stage = {**decls, repeated: layers_list[:per_device], **_stage_copies(decls, repeated, n_layers, per_device)}
     est = estimate(loss_fn, stage, inner, inner_rules, micro_batch, grad_accum=1, repeated=repeated, **kw)
+    if kw.get("float8_all_gather") and fsdp_gather == "step":
+        est.notes.append("float8_all_gather: the stage's FSDP units held for the step are counted in 16 bits "
+                         "(not halved)")
     x_shape, x_dtype = _boundary(loss_fn, stage, inner, inner_rules, micro_batch, kw["precision"])
     boundary_bytes = int(torch.Size(x_shape).numel()) * x_dtype.itemsize
     plan = pipeline_plan(timeline, n_layers, boundary_bytes, fsdp_gather)
@@ -534,7 +549,7 @@ def batch_dims_of(batch: BatchSpec) -> dict:
 
 def _run_device(loss_fn, decls, mesh, rules, batch, options, optimizer, precision, grad_accum, remat,
                 repeated, rank, timeline, trainable=None, compiled=False, fsdp2_streams=False,
-                expandable_segments=False, needed=None, offload=True):
+                expandable_segments=False, float8=(False, False), needed=None, offload=True):
     loss = Instrumented(loss_fn, repeated)
     step = train_step(loss, optimizer or optim.adamw(1e-4), mesh=mesh, rules=rules, precision=precision,
                       grad_accum=grad_accum, remat=remat, trainable=trainable, **options,
@@ -553,7 +568,7 @@ def _run_device(loss_fn, decls, mesh, rules, batch, options, optimizer, precisio
             tracker = MemoryTracker(baseline, masters, rep, timeline, baseline_sizes=sizes, compiled=compiled,
                                     fsdp2_streams=fsdp2_streams, expandable_segments=expandable_segments,
                                     needed=needed, selective=remat if is_selective(remat) else "selective",
-                                    offload=offload)
+                                    float8=float8[0], float8_all_gather=float8[1], offload=offload)
             loss.tracker = tracker
             with tracker, torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack), \
                     trace_backward(False), deferred_checks():

@@ -410,7 +410,7 @@ def search(loss_fn: Callable, decls: Any, n_devices: int, batch: BatchSpec, *,
            progress: Callable[[int, int, str], None] | None = None, trainable: Any = None,
            pp_fsdp_gather: str = "step", optimizer: Any = None, compiled: bool = False,
            amend: Callable[[LayoutEstimate], None] | None = None, tokens_per_step: int | None = None,
-           jobs: int | None = 1) -> Ranking:
+           float8: bool = False, jobs: int | None = 1) -> Ranking:
     """Estimate and cost candidate layouts of ``n_devices`` and rank them: those within the
     memory limit (default: the cluster's device memory) first, by step time, then memory.
 
@@ -427,7 +427,9 @@ def search(loss_fn: Callable, decls: Any, n_devices: int, batch: BatchSpec, *,
     ``amend(estimate)``: adds what the run holds beyond its step (an online run's rollout:
     app/report.py ``add_rollout``) before the layout is costed and fitted; ``tokens_per_step``:
     the tokens a step computes, for tokens/s (default: the first input's elements; a pair
-    objective passes its chosen and rejected rows: app/row_tokens.py ``step_tokens``); ``jobs``:
+    objective passes its chosen and rejected rows: app/row_tokens.py ``step_tokens``). ``float8``:
+    each layout's memory with Float8 linear layers' buffers (``estimate(float8=True)``; the
+    ``cost_model`` costs their time, e.g. ``functools.partial(cost, float8=True)``); ``jobs``:
     worker processes that run the dry-runs (None: one per core; plan/workers.py), the ranking the
     same for any number."""
     cl = as_cluster(cluster) if cluster is not None else None
@@ -445,7 +447,7 @@ def search(loss_fn: Callable, decls: Any, n_devices: int, batch: BatchSpec, *,
             e = estimate(loss_fn, decls, c.mesh, c.rules, batch, options=dict(c.options), precision=c.precision,
                          grad_accum=c.grad_accum, remat=c.remat, bandwidth=bandwidth, timeline=False,
                          label=c.label, schedule=c.schedule, virtual_stages=c.virtual, trainable=trainable,
-                         pp_fsdp_gather=pp_fsdp_gather, optimizer=optimizer, compiled=compiled)
+                         pp_fsdp_gather=pp_fsdp_gather, optimizer=optimizer, compiled=compiled, float8=float8)
         except Exception as exc:   # noqa: BLE001 - an impossible layout is a result, not a failure
             cause = getattr(exc, "original", exc)
             return None, (_name(c), f"{type(cause).__name__}: {cause}".splitlines()[0])

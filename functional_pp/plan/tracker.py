@@ -30,6 +30,7 @@ CATEGORIES = ("weights", "optimizer state", "weights in flight", "activations", 
 _aten = torch.ops.aten
 _MATMULS = {_aten.mm.default: "mm", _aten.bmm.default: "bmm", _aten.addmm.default: "addmm",
             _aten.baddbmm.default: "baddbmm"}
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _LOGITS_GRAD = {_aten._log_softmax_backward_data.default, _aten.nll_loss_backward.default,
                 _aten.nll_loss2d_backward.default}
 _NO_TRAFFIC = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided", "detach", "alias",
@@ -220,15 +221,22 @@ class MemoryTracker(EagerDispatchMode):
     all-gather and reduce-scatter streams (plan/fsdp2.py); ``expandable_segments``:
     the allocator's setting of that name (plan/allocator.py). ``needed`` (compiled selective
     layers: what backward reads of each, by position) with ``selective``, the policy's name
-    (compile/selective.py): the results it keeps, the rest recomputed. ``offload``: also record
-    the device's and the host's peaks with each offload lever pulled (``DeviceRun.offload_peaks``)."""
+    (compile/selective.py): the results it keeps, the rest recomputed. ``float8``: the layers'
+    matmuls are torchao's Float8 linear layers', their operands' fp8 copies counted
+    (:meth:`_float8_casts`); ``float8_all_gather``: the layers' matrix weights gathered in fp8,
+    1 byte per element. ``offload``: also record the device's and the host's peaks with each
+    offload lever pulled (``DeviceRun.offload_peaks``)."""
 
     def __init__(self, baseline: dict[str, int], param_tensors, report: CommReport | None = None,
                  timeline: bool = True, baseline_sizes=None, compiled: bool = False, needed=None,
                  fsdp2_streams: bool = False, expandable_segments: bool = False, selective: str = "selective",
-                 offload: bool = True):
+                 float8: bool = False, float8_all_gather: bool = False, offload: bool = True):
         super().__init__()
         self._offload_levers = OFFLOAD_LEVERS if offload else ()   # whose peaks the run records
+        self.float8, self.float8_all_gather = float8, float8_all_gather     # Float8 linear layers' buffers
+        self._seq_cast = 0
+        self._float8_kept: dict = {}         # (layer, weight shape) -> eager fp8 weight copies saved for backward
+        self._checkpointed_forward = 0       # checkpointed regions open in forward
         self.selective = selective           # the selective policy of the layers when ``needed`` is given
         self._open_matmuls = 0               # matrix products in the open layer's forward so far
         self.fsdp2_streams = fsdp2_streams
@@ -292,6 +300,7 @@ class MemoryTracker(EagerDispatchMode):
         its recomputation counts for the layer it ran in forward (the dry-run extrapolates
         per layer), and its collectives are tagged ``recompute``."""
         if not recompute:
+            self._checkpointed_forward += 1 if entering else -1
             if entering:
                 self._region_layer[region] = self.layer
             return
@@ -352,9 +361,14 @@ class MemoryTracker(EagerDispatchMode):
                 self.layer = max(layers)
         if self.compiled:
             self._follow_compiled()
+        if self._float8_kept and not self.recomputing and self.phase == "update":
+            self._release_float8(None)
+        elif self._float8_kept and not self.recomputing and self.phase == "backward" and self.layer is not None:
+            self._release_float8(self.layer)
         view = _VIEWS.get(func)
         if view is None:
             view = _VIEWS[func] = bool(getattr(func, "is_view", False))
+        casts: list = []
         if view and not self.compiled and not self._keep_timeline and (
                 self._report is None or len(self._report.events) == self._n_events):
             out = func(*args, **kwargs)     # a view of tracked storage: no kernel, bytes, FLOPs or event
@@ -362,6 +376,7 @@ class MemoryTracker(EagerDispatchMode):
                 self._seq += 1
                 return out
         else:
+            casts = self._float8_casts(func, args)   # (Float8's operand copies, live during the product)
             out = call_meta(func, args, kwargs)     # (meta: memoised; real tensors: the kernel)
         name = func.__name__ if hasattr(func, "__name__") else str(func)
         launch = _LAUNCHES.get(func)
@@ -378,6 +393,8 @@ class MemoryTracker(EagerDispatchMode):
             self._tag_events(name, derived, inputs, any(a is not None and a.widened for a in in_allocs))
         for t in _tensors(out):
             self._allocate(t, name, derived, func, inputs)
+        for key in casts:
+            self._free(key)
         if self._open is not None:
             self._record(func, inputs, in_allocs, out)
         if func is _aten._log_softmax.default:           # the loss's input and its log-softmax
@@ -406,6 +423,8 @@ class MemoryTracker(EagerDispatchMode):
         if key in self._live or key in self._param_ids:
             return
         nbytes = storage.nbytes()
+        if derived and self.float8_all_gather and self.layer is not None and t.dim() == 2 and t.is_floating_point():
+            nbytes = t.numel()               # a layer's matrix weight gathered in fp8 (float8_all_gather)
         if derived:
             category = "weights in flight"
             self._weight_shapes.add(tuple(t.shape))
@@ -420,15 +439,22 @@ class MemoryTracker(EagerDispatchMode):
         widened = (func is _aten._to_copy.default and t.dtype == torch.float32 and len(inputs) == 1
                    and inputs[0].dtype in (torch.bfloat16, torch.float16))
         alloc = _Alloc(nbytes, category, op, self.layer, self.phase, derived, self.recomputing, widened, key)
-        self._live[key] = alloc
         kind, self._collective = self._collective, None        # (the collective's output is its first)
         if kind == "all_gather":             # (stands for FSDP2's copy-out, on the compute stream)
             self._gathers.append(((self.layer, self.phase, self.recomputing), nbytes))
-        self.allocator.malloc(key, nbytes, fsdp2.REDUCE_SCATTER_STREAM if kind == "reduce_scatter" else COMPUTE)
+        self._add(alloc, fsdp2.REDUCE_SCATTER_STREAM if kind == "reduce_scatter" else COMPUTE)
+        self._watch[key] = weakref.ref(storage, functools.partial(self._dead, key))
+
+    def _add(self, alloc: _Alloc, stream=COMPUTE) -> None:
+        """Count a new allocation (a storage, or a buffer the program's kernels would make that
+        the dry-run's ops do not: Float8's casts) and update the peaks."""
+        key, nbytes, category = alloc.key, alloc.nbytes, alloc.category
+        self._live[key] = alloc
+        self.allocator.malloc(key, nbytes, stream)
         self._note_reserved()
         self._totals[category] += nbytes
         self._current += nbytes
-        self._watch[key] = weakref.ref(storage, functools.partial(self._dead, key))
+        self._count_activation(alloc, 1)
         for levers in self._offload_levers:
             device, host = self.split(*levers)
             was = self.run.offload_peaks.get(levers, (0, 0))
@@ -437,7 +463,68 @@ class MemoryTracker(EagerDispatchMode):
         if self._current > self.run.peak_bytes:
             self.run.peak_bytes = self._current
             self.run.peak_breakdown = {c: v for c, v in self._totals.items() if v}
-            self.run.peak_at = f"{self.phase} {op}" + (f" (layer {self.layer})" if self.layer is not None else "")
+            self.run.peak_at = f"{self.phase} {alloc.op}" + (f" (layer {self.layer})" if self.layer is not None else "")
+
+    # -------------------------------------------------------------- Float8
+    def _float8_casts(self, func, args) -> list:
+        """The fp8 copies of a layer matmul's operands that torchao's Float8 linear layers make
+        (dynamic tensorwise scaling; docs/planning.md, "Float8's memory"), allocated before the
+        product: each operand's, but a weight gathered in fp8 read by a forward product (its
+        transpose is already the column-major operand ``_scaled_mm`` takes). Compiled layers
+        fuse each cast into one kernel (1 byte per element); eager runs torchao's
+        ``tensor.to(float32) * scale``, its clamp and the cast (fp32 temporaries of 8 bytes per
+        element, freed after it), and the weight gradient's product copies both fp8 operands
+        transposed (``preprocess_addmm``: 1 byte more each). Returns the keys to free after the
+        product.
+
+        Eager, a weight's fp8 copy is made outside torchao's autograd function, which saves it for
+        backward: a forward product's (outside a checkpointed region, whose forward saves nothing)
+        or a recomputed one's is kept, as an activation, until the layer's backward product that
+        reads that weight. Compiled, the partitioner recomputes it from the weight (free to save)."""
+        if not (self.float8 and func in _MATMULS and self.layer is not None and self.phase != "update"):
+            return []
+        operands = (args[0], args[1]) if func in (_aten.mm.default, _aten.bmm.default) else (args[1], args[2])
+        forward = self.phase == "forward" or self.recomputing
+        keys = []
+        allocs = [self._live.get(id(t.untyped_storage())) for t in operands]
+        weights = [id(t.untyped_storage()) in self._param_ids or (al is not None and al.param_derived)
+                   for t, al in zip(operands, allocs)]
+        for t, al, weight in zip(operands, allocs, weights):
+            gathered = weight and al is not None and self.float8_all_gather and t.dim() == 2
+            if (gathered and forward) or t.dtype in _FP8:
+                continue
+            n = t.numel()
+            # backward reads a weight's fp8 copy (kept, gathered or, compiled, recast): a transposed copy only
+            cast = self.compiled or (weight and not forward)
+            temps = [] if cast else [self._cast_buffer(4 * n, "float8 scale (fp32)"),
+                                     self._cast_buffer(4 * n, "float8 clamp (fp32)")]
+            held = (self.layer, tuple(sorted(t.shape)))           # (the weight or its transpose)
+            if weight and not self.compiled and forward and (self.recomputing or not self._checkpointed_forward):
+                self._float8_kept.setdefault(held, []).append(self._cast_buffer(n, "float8 weight", "activations"))
+            else:
+                keys.append(self._cast_buffer(n, "float8 cast"))
+                if weight and not forward and self._float8_kept.get(held):
+                    keys.append(self._float8_kept[held].pop())          # its backward has read it
+            for k in temps:
+                self._free(k)
+            if not self.compiled and not forward and not any(weights):
+                keys.append(self._cast_buffer(n, "float8 transposed copy"))   # the weight gradient's operands
+        return keys
+
+    def _release_float8(self, layer: int | None) -> None:
+        """Free the kept fp8 weight copies of the layers after ``layer`` (all: None): backward has
+        left them (a weight no backward product read, its input not needing a gradient)."""
+        for held in [h for h in self._float8_kept if layer is None or h[0] > layer]:
+            for key in self._float8_kept.pop(held):
+                self._free(key)
+
+    def _cast_buffer(self, nbytes: int, op: str, category: str | None = None):
+        self._seq_cast += 1
+        key = ("float8", self._seq_cast)
+        category = category or ("forward temporaries" if self.phase == "forward"
+                                else "gradients and backward temporaries")
+        self._add(_Alloc(nbytes, category, op, self.layer, self.phase, False, self.recomputing, False, key))
+        return key
 
     def _note_reserved(self) -> None:
         if self.allocator.reserved == self._noted_reserved:      # (no segment reserved since)
@@ -527,6 +614,7 @@ class MemoryTracker(EagerDispatchMode):
         matmuls counted afresh, as torchtitan's op policy counts them per run of a block."""
         self.phase, self.layer = "forward", None
         self._mm_in_layer = {}
+        self._release_float8(None)
 
     def _policy_keeps(self, func) -> bool:
         """Whether the selective policy keeps the result of this call of ``func`` in the open

@@ -105,6 +105,8 @@ def test_published_peak_memory_is_predicted_within_its_tolerance(row):
     allocated peak. Within 10%, or the tolerance achieved and why."""
     got = references.predicted_memory(row) / 2 ** 30
     error = got / row.memory_gib - 1
+    settings = references.memory_estimate(row).settings     # Float8 rows: with Float8's buffers
+    assert (settings["float8"], settings["float8_all_gather"]) == (row.float8, row.float8_all_gather)
     assert abs(error) <= row.memory_tolerance, f"{row.name}: {got:.1f} GiB, {error:+.1%}"
     assert row.memory_tolerance == 0.10 or row.memory_why
     if row.memory_tolerance > 0.10:
