@@ -102,12 +102,14 @@ def test_plan_command_counts_adapters(base_dir, tmp_path, capsys):
         capsys.readouterr()
         state[kind] = json.loads(out.read_text())["layouts"][0]["state_GB"]
     assert state["full"] > 3 * state["lora"] > 3 * state["qlora"] > 0
-    # --float8 (the full fine-tune): the same plan, costed with Float8 linear layers (on a model this
-    # small their casts cost more than the matmuls save), refused on a cluster without FP8
+    # --float8 (the full fine-tune): the same layouts, costed with Float8 linear layers (on a model this
+    # small their casts cost more than the matmuls save), their fp8 copies counted; refused on a
+    # cluster without FP8
     full, fast = tmp_path / "full.json", tmp_path / "fp8.json"
     assert main(["plan", str(tmp_path / "full.yaml"), "--devices", "1", "--float8", "--json", str(fast)]) == 0
-    rows, old = ({r["layout"]: r for r in json.loads(f.read_text())["layouts"]} for f in (fast, full))
+    rows = {r["layout"].replace(" float8", ""): r for r in json.loads(fast.read_text())["layouts"]}
+    old = {r["layout"]: r for r in json.loads(full.read_text())["layouts"]}
     assert rows.keys() == old.keys()
-    assert all(r["peak_GB"] == old[k]["peak_GB"] and r["compute_s"] > old[k]["compute_s"] for k, r in rows.items())
+    assert all(r["peak_GB"] >= old[k]["peak_GB"] and r["compute_s"] > old[k]["compute_s"] for k, r in rows.items())
     assert main(["plan", str(path), "--devices", "1", "--float8", "--cluster", "a100x8"]) == 2
     assert "'a100x8' has no FP8 matmuls" in capsys.readouterr().err
