@@ -241,16 +241,17 @@ def _check_searchable(cfg) -> None:
                           f"rules by hand (layout: manual)")
 
 
-def auto_layout(cfg, n_devices: int, cluster="h100x8", stream: IO[str] | None = None):
+def auto_layout(cfg, n_devices: int, cluster="h100x8", stream: IO[str] | None = None, jobs: int | None = None):
     """``layout: auto``: search, print the choice and why (the lines ``plan`` prints), return
-    the config to train with; a ConfigError naming the nearest layout when none fits."""
+    the config to train with; a ConfigError naming the nearest layout when none fits. ``jobs``:
+    the search's worker processes (default one per core)."""
     out = stream or sys.stdout
     space = config_space(cfg)
     if cfg.compile:
         space.remat = tuple(r for r in space.remat if r is False) or space.remat
     cl = as_cluster(cluster)
     print(f"layout: auto — ranking layouts of {n_devices} devices on {cl.name}", file=out)
-    ranking = rank_layouts(cfg, n_devices, cl, space=space)
+    ranking = rank_layouts(cfg, n_devices, cl, space=space, jobs=jobs)
     if not ranking.fitting():
         from functional_pp.config import ConfigError
         raise ConfigError("layout: auto: " + explain(ranking, cfg))
@@ -364,12 +365,15 @@ def _sizes(flag: str, text: str) -> tuple[int, ...]:
 
 def auto_layout_for_run(cfg, simulate: int | None, cluster: str = "h100x8"):
     """``layout: auto`` for ``functional-pp train``: the device count from torchrun or
-    ``--simulate N``; the chosen layout replaces the config's mesh and rules."""
+    ``--simulate N``; the chosen layout replaces the config's mesh and rules. Under torchrun each
+    process of a node searches with its share of the node's cores."""
     import os
 
     from functional_pp.config import ConfigError
     from functional_pp.devices.launch import under_torchrun
+    from functional_pp.plan.workers import default_jobs
     n = int(os.environ["WORLD_SIZE"]) if under_torchrun() else simulate
     if n is None:
         raise ConfigError("layout: auto needs the device count: run under torchrun or pass --simulate N")
-    return auto_layout(cfg, n, cluster)
+    share = max(1, default_jobs() // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))) if under_torchrun() else None
+    return auto_layout(cfg, n, cluster, jobs=share)
