@@ -43,9 +43,14 @@ def _peft_loftq_on_cpu():
     """peft's ``loftq_init``, its own source with the compute device set to the CPU."""
     from peft.utils import loftq_utils
     src = textwrap.dedent(inspect.getsource(loftq_utils.loftq_init))
-    assert _DEVICE_LINE in src, "peft's loftq_init changed: update the oracle"
     ns = dict(vars(loftq_utils))
-    exec(src.replace(_DEVICE_LINE, 'compute_device = "cpu"'), ns)
+    if _DEVICE_LINE in src:                                  # peft before 0.22
+        src = src.replace(_DEVICE_LINE, 'compute_device = "cpu"')
+    elif "compute_device = infer_device()" in src:           # peft 0.22: the accelerator it finds
+        ns["infer_device"] = lambda: "cpu"
+    else:
+        raise AssertionError("peft's loftq_init changed: update the oracle")
+    exec(src, ns)
     return ns["loftq_init"]
 
 
