@@ -257,6 +257,7 @@ def beam(width: int = 4) -> Callable[[Sequence[Candidate], Evaluate], list[Layou
         groups: dict = {}
         for c in cands:
             groups.setdefault((tuple(c.mesh.shape.items()), c.schedule, c.virtual), []).append(c)
+        lean_of = {k: leanest(g) for k, g in groups.items()}
         results, probed, evaluated = [], {}, []
 
         def keep(k, c, e) -> LayoutEstimate | None:
@@ -267,8 +268,8 @@ def beam(width: int = 4) -> Callable[[Sequence[Candidate], Evaluate], list[Layou
             return e
         keys = list(groups)
         first = [keep(k, groups[k][0], e) for k, e in zip(keys, many([groups[k][0] for k in keys]))]
-        again = [k for k, e in zip(keys, first) if e is None and leanest(groups[k]) is not groups[k][0]]
-        lean = {k: keep(k, leanest(groups[k]), e) for k, e in zip(again, many([leanest(groups[k]) for k in again]))}
+        again = [k for k, e in zip(keys, first) if e is None and lean_of[k] is not groups[k][0]]
+        lean = {k: keep(k, lean_of[k], e) for k, e in zip(again, many([lean_of[k] for k in again]))}
         order = []
         for k, e in zip(keys, first):
             e = e or lean.get(k)
@@ -277,7 +278,7 @@ def beam(width: int = 4) -> Callable[[Sequence[Candidate], Evaluate], list[Layou
         order.sort(key=lambda r: r[0])
 
         def needs_lean(k, e) -> bool:
-            return not e.settings.get("fits", True) and all(leanest(groups[k]) is not p for p in probed[k])
+            return not e.settings.get("fits", True) and all(lean_of[k] is not p for p in probed[k])
         ranked: list = []
         ready: dict = {}                # group -> its lean probe, evaluated ahead of the visit
         for i, (bound, k, e) in enumerate(order):
@@ -287,8 +288,8 @@ def beam(width: int = 4) -> Callable[[Sequence[Candidate], Evaluate], list[Layou
                 if needs_lean(k, e):
                     if k not in ready:
                         batch = [kk for _, kk, ee in order[i:] if kk not in ready and needs_lean(kk, ee)][:ahead]
-                        ready.update(zip(batch, many([leanest(groups[kk]) for kk in batch])))
-                    e = keep(k, leanest(groups[k]), ready.pop(k))
+                        ready.update(zip(batch, many([lean_of[kk] for kk in batch])))
+                    e = keep(k, lean_of[k], ready.pop(k))
                 else:
                     e = None
             if e is not None and e.settings.get("fits", True):
