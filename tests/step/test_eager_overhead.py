@@ -290,3 +290,15 @@ def test_is_tracing_reads_the_thread_local_without_a_failed_lookup(monkeypatch):
         assert torch_internals.is_tracing()
     assert not torch_internals.is_tracing()
     assert misses == []
+
+
+def test_an_eager_step_looks_for_no_grad_seed_device(monkeypatch):
+    """The compiled step's gradient seed (``grad_seed``) is made on the parameters' device; an eager
+    step has none, so it does not look the device up (a walk to the first parameter leaf)."""
+    train = importlib.import_module("functional_pp.step.train")
+    step, state = _step()
+    calls = []
+    original = train.device_of
+    monkeypatch.setattr(train, "device_of", lambda tree: calls.append(1) or original(tree))
+    state, _ = step(state, _batch(1))
+    assert calls == []
