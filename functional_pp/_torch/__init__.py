@@ -30,7 +30,10 @@ def is_tracing() -> bool:
     lock, so the flag counts for the thread that holds that lock; inside dynamo's trace both
     calls below fold to True."""
     if not torch.compiler.is_compiling():
-        return getattr(_native, "tracing", False)
+        # (the thread's own dict: ``getattr(_native, "tracing", False)`` raised and caught an
+        # AttributeError on every eager call outside traced_natively, 0.8 of its 1.0 us, about
+        # 90 calls a step of the tiny Llama; docs/eager_overhead.md)
+        return _native.__dict__.get("tracing", False)
     return torch.compiler.is_dynamo_compiling() or _compile_lock_owned()
 
 
@@ -42,7 +45,7 @@ def traced_natively():
     """Inside the block this thread's code is traced (:func:`is_tracing`): a step that AOT
     autograd traces by running it (step/native_trace.py), where torch 2.11 does not hold
     ``torch.compiler.is_compiling()``."""
-    previous = getattr(_native, "tracing", False)
+    previous = _native.__dict__.get("tracing", False)
     _native.tracing = True
     try:
         yield

@@ -186,7 +186,27 @@ def use_policy(policy: Policy) -> ContextManager[Policy]:
     installed."""
     if not isinstance(policy, Policy):
         raise TypeError(f"use_policy needs a functional_pp.Policy, got {type(policy).__name__}")
-    return thread_local_value(_policy_local, "value", policy.over(current_policy()))
+    return thread_local_value(_policy_local, "value", _over(policy, current_policy()))
+
+
+_OVER: dict[tuple[int, int], tuple[Policy, Policy, Policy]] = {}
+_OVER_SIZE = 64
+
+
+def _over(policy: Policy, base: Policy) -> Policy:
+    """``policy.over(base)``, the same object again for the same two policy objects (policies
+    are frozen): a training step puts its policy, and its FSDP root's, over the same ambient
+    one every step (a ``dataclasses.replace`` each, about 5 us). Holds the objects it was given
+    (at most :data:`_OVER_SIZE` pairs), so an ``id`` is not reused while its entry lives."""
+    key = (id(policy), id(base))
+    hit = _OVER.get(key)
+    if hit is not None and hit[0] is policy and hit[1] is base:
+        return hit[2]
+    resolved = policy.over(base)
+    if len(_OVER) >= _OVER_SIZE:
+        _OVER.clear()
+    _OVER[key] = (policy, base, resolved)
+    return resolved
 
 
 def configure(**kw) -> ContextManager[Policy]:

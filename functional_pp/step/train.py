@@ -192,7 +192,7 @@ class TrainStep(StepSettings):
                     deferred_checks() as id_checks:     # token-id checks, raised after the step
                 out: DeviceStepResult = fn(
                     state["params"], state["opt_state"], state["step"], state["skipped"], batch, finite, peaks,
-                    grad_seed(device_of(state["params"]), bool(step_compile)))
+                    grad_seed(device_of(state["params"]), True) if step_compile else None)   # (eager: none)
         except Exception as exc:
             self._refuse_foreign_state(state, exc)
             raise

@@ -143,3 +143,38 @@ def test_a_training_config_gives_its_step_policy():
     cfg = TrainConfig.from_dict({"gradient_checkpointing": True, "fsdp_config": {"reshard_after_forward": False}})
     assert cfg.policy() == Policy(remat=True, keep_gathered=True)
     assert TrainConfig.from_dict({}).policy() == Policy(remat=False, keep_gathered=False)
+
+
+def test_use_policy_resolves_the_same_two_policies_once():
+    """``use_policy`` puts a policy over the ambient one as ``Policy.over`` does, and gives the
+    same object again for the same two policy objects (a step enters its policy, and its FSDP
+    root's, over the same ambient one every step: docs/eager_overhead.md); another ambient policy
+    resolves anew."""
+    step_policy = Policy(remat=True)
+    with use_policy(step_policy) as first:
+        pass
+    with use_policy(step_policy) as again:
+        pass
+    assert again is first and first == step_policy.over(RESOLVED)
+    with fpp.configure(remat=False, keep_gathered=True):
+        with use_policy(Policy(cp_attention="allgather")) as inner:
+            assert inner.keep_gathered is True and inner.remat is False and inner.cp_attention == "allgather"
+            assert current_policy() is inner
+    with use_policy(Policy(cp_attention="allgather")) as outside:
+        assert outside.keep_gathered is False
+
+
+def test_a_repeated_step_resolves_no_policy(monkeypatch):
+    """A step's policies (its own, the FSDP root's keep_gathered) are put over the ambient one
+    without a ``Policy.over`` (a ``dataclasses.replace``) after the first step."""
+    cfg = llama.Config(vocab=64, hidden=16, layers=2, heads=2, kv_heads=1, mlp=32, max_seq=16,
+                       tie_embeddings=False, rope_scaling=None)
+    step = fpp.train_step(functools.partial(llama.loss, cfg=cfg), fpp.optim.adamw(1e-2))
+    state = step.init(fpp.init(llama.init, cfg, seed=0))
+    batch = make_batch(cfg, 2, 8, seed=1)
+    state, _ = step(state, batch)
+    calls = []
+    original = Policy.over
+    monkeypatch.setattr(Policy, "over", lambda self, base: calls.append(self) or original(self, base))
+    state, _ = step(state, batch)
+    assert calls == []

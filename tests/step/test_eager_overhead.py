@@ -267,3 +267,38 @@ def test_the_fused_adamw_plan_is_derived_once_per_state(monkeypatch):
     other = step.init(fpp.init(llama.init, CFG, seed=1))
     other, m = step(other, _batch(0))
     assert len(calls) == 2 and m["skipped"] == 0
+
+
+def test_is_tracing_reads_the_thread_local_without_a_failed_lookup(monkeypatch):
+    """``is_tracing`` (about 90 calls an eager step) reads its thread-local flag from the thread's
+    own dict: a ``getattr`` with a default on a ``threading.local`` raised and caught an
+    AttributeError on every call outside ``traced_natively`` (docs/eager_overhead.md)."""
+    import threading
+
+    torch_internals = importlib.import_module("functional_pp._torch")
+    misses = []
+
+    class Counted(threading.local):
+        def __getattr__(self, name):      # called only where the normal lookup failed
+            misses.append(name)
+            raise AttributeError(name)
+    monkeypatch.setattr(torch_internals, "_native", Counted())
+    step, state = _step()
+    state, _ = step(state, _batch(1))
+    assert not torch_internals.is_tracing()
+    with torch_internals.traced_natively():
+        assert torch_internals.is_tracing()
+    assert not torch_internals.is_tracing()
+    assert misses == []
+
+
+def test_an_eager_step_looks_for_no_grad_seed_device(monkeypatch):
+    """The compiled step's gradient seed (``grad_seed``) is made on the parameters' device; an eager
+    step has none, so it does not look the device up (a walk to the first parameter leaf)."""
+    train = importlib.import_module("functional_pp.step.train")
+    step, state = _step()
+    calls = []
+    original = train.device_of
+    monkeypatch.setattr(train, "device_of", lambda tree: calls.append(1) or original(tree))
+    state, _ = step(state, _batch(1))
+    assert calls == []

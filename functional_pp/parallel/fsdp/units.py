@@ -31,8 +31,8 @@ from functional_pp._torch import in_backward, is_tracing
 from functional_pp._torch.selective_checkpoint import outside_selective_checkpoint
 from functional_pp.compile.recompute import traced_as_backward
 from functional_pp.core import comm
-from functional_pp.core.policy import DEFAULT_IN_FLIGHT
-from functional_pp.core.runtime import per_thread
+from functional_pp.core.policy import DEFAULT_IN_FLIGHT, Policy
+from functional_pp.core.runtime import per_thread, use_policy
 from functional_pp.core.saved_hooks import pack_other, unpack_other
 from functional_pp.parallel.fsdp import param_uses
 from functional_pp.parallel.fsdp.graph import regather_region
@@ -60,6 +60,9 @@ class UnitsSeen:
         """FSDP weights that were all root weights: the model declares no layer, so keeping the
         root gathered kept every weight gathered from forward to backward."""
         return self.sharded and not self.layered
+
+
+_KEEP_ROOT = Policy(keep_gathered=True)    # the root's policy, put over the step's (runtime.use_policy)
 
 
 @contextmanager
@@ -90,7 +93,7 @@ def fsdp_units(enabled: bool = True, keep_root: bool = False, prefetch: bool = T
     _local.in_flight_limit = in_flight
     try:
         if enabled and keep_root and not current_policy().keep_gathered:
-            with configure(keep_gathered=True) as root_policy:
+            with use_policy(_KEEP_ROOT) as root_policy:     # (the same object every step over one policy)
                 _local.root_policy = root_policy
                 yield seen
         else:
