@@ -203,6 +203,34 @@ def test_a_misnamed_batch_is_refused_on_real_gloo_processes_too():
     assert "batch['tokens'] is named 'seq batch' but this train_step reads it as 'batch seq'" in str(info.value)
 
 
+@pytest.mark.parametrize("rules, close", [
+    (fpp.Rules(mpl="tp"), "mlp"),
+    (llama.default_rules(tp=False).replace(mpl="tp"), "mlp"),       # (a default rule replaced: checked)
+    (fpp.Rules(vocab="tp", hidden_dim="tp"), "hidden"),
+], ids=["mpl", "defaults + mpl", "hidden_dim"])
+def test_a_misspelt_rule_name_is_refused_at_the_first_step(rules, close):
+    """``Rules(mpl="tp")`` (a typo of ``mlp``) was accepted and never used: the MLP trained whole
+    on every device, silently. Refused after the first step (when the names the parameters,
+    the batch and the ops use are known), naming the rule, the close name and the used ones."""
+    with pytest.raises(fpp.DeviceError) as info:
+        run_steps(fpp.Mesh(tp=2), rules, [BATCH])
+    msg = str(info.value.original)
+    assert type(info.value.original) is ValueError
+    typo = "mpl" if close == "mlp" else "hidden_dim"
+    assert f"train_step: the rule {typo}=('tp',) names a dimension that no parameter, batch entry or op" in msg
+    assert f"did you mean {close}=('tp',)?" in msg and "'kv_heads'" in msg and f"{close}=None keeps it whole" in msg
+
+
+@pytest.mark.parametrize("rules", [
+    fpp.Rules(mlp="tp", experts="tp"),           # a rule for another model's dimension: model-agnostic rules
+    fpp.Rules(mpl="tp", mlp=None),               # the close name has a rule of its own: mpl is meant elsewhere
+    llama.default_rules(),                       # library defaults name Mamba's and MoE's dimensions too
+], ids=["experts on a dense model", "close name ruled", "defaults"])
+def test_rules_for_names_the_model_lacks_are_accepted(rules):
+    before, after, metrics = run_steps(fpp.Mesh(tp=2), rules, [BATCH, BATCH])
+    assert len(metrics) == 2 and all(m["skipped"] == 0 for m in metrics)
+
+
 @pytest.mark.parametrize("part", ["opt_state", "params"])
 def test_a_state_of_another_parameter_tree_is_named_not_a_torch_shape_error(part):
     """An optimizer state (or parameters) from another model size failed inside torch with "The

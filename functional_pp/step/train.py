@@ -77,6 +77,7 @@ class TrainStep(StepSettings):
         self.device = self.device if self.device is not None else PlainDeviceStep()
         self.device.bind(self)      # (first: it may refuse a setting by name; step/pipeline.py)
         self.spec: ParamSpec | None = None
+        self._rules_checked = False      # Rules.check_used after the first step
         self._compile_lock = threading.Lock()   # simulated devices share one spec (and a pipeline's stages)
         self._compiled = CompiledStep(lambda: split_mode(self.compile)[0], lambda: self.policy, self.resolved_policy)
         self._layers = LayerUse()               # fpp.layer calls seen, FSDP units' order (step/layering.py)
@@ -196,6 +197,9 @@ class TrainStep(StepSettings):
         except Exception as exc:
             self._refuse_foreign_state(state, exc)
             raise
+        if not self._rules_checked:      # once the names the step uses are known: a misspelt rule
+            self.rules.check_used([*(d for dims in self.spec.dims for d in dims), *self._batch_dim_names()])
+            self._rules_checked = True
         # read every step, or kept unread (metrics="deferred"): step/metrics_modes.py
         new, metrics, peaks = self._metrics.finish(state, batch, out, id_checks, t0)
         out = None
