@@ -82,6 +82,10 @@ class Rules:
             if isinstance(axes, balanced):
                 self.balanced_dims.add(logical)
                 axes = axes.axes
+            if not (axes is None or isinstance(axes, str) or (isinstance(axes, (tuple, list)) and all(
+                    isinstance(a, str) for a in axes))):
+                raise TypeError(f"Rules: the rule for dim {logical!r} must be a mesh axis name, a sequence of them, "
+                                f"None, balanced(...) or inherit(...), got {axes!r} (e.g. Rules({logical}='tp'))")
             axes = as_axes(axes)
             self._check_dup(logical, axes)
             self.table[logical] = axes
@@ -167,6 +171,21 @@ class Rules:
         out = Rules({k: v for k, v in merged.items() if v is not None})
         out._library = self._library - set(rules)
         return out
+
+    def check_mesh_axes(self, mesh: Mesh, where: str = "train_step") -> None:
+        """Raise a ValueError for a mesh axis that looks misspelt: of size > 1, named by no rule,
+        while a close name that the rules do name has size 1 (``Mesh(tpp=2)`` beside rules over
+        ``tp``: every device along ``tpp`` would do the same work, nothing split)."""
+        named = {a for axes in self.table.values() for a in axes} | {a for _, extra in self.derived.values()
+                                                                     for a in extra}
+        for a in mesh.axis_names:
+            if mesh.shape[a] > 1 and a not in named:
+                close = difflib.get_close_matches(a, sorted(named), n=1, cutoff=0.6)
+                if close and mesh.shape.get(close[0], 1) == 1:
+                    raise ValueError(
+                        f"{where}: mesh axis {a!r} (size {mesh.shape[a]}) is named by no rule, while {close[0]!r}, "
+                        f"which the rules split dimensions over, has size 1: did you mean "
+                        f"Mesh({close[0]}={mesh.shape[a]})? (mesh {dict(mesh.shape)})")
 
     def check_used(self, used: Iterable[str], where: str = "train_step") -> None:
         """Raise a ValueError for a rule that looks like a misspelt dimension name: no

@@ -57,6 +57,8 @@ def test_unfrozen_parameters_without_an_adapter():
     ({"adapter": "lora"}, "adapter: lora names no weights to adapt; set lora_target_modules"),
     ({"adapter": "lora", "lora_target_linear": True, "lora_model_dir": "x"}, "lora_model_dir needs base_model"),
     ({"adapter": "lora", "lora_target_linear": True, "lora_dropout": 1.5}, "lora_dropout\\) must be in"),
+    ({"adapter": "lora", "lora_target_linear": True, "lora_alpha": 0}, "alpha \\(lora_alpha\\) must be a finite number "
+                                                                      "other than 0, got 0.0: .* learn nothing"),
     ({"unfrozen_parameters": ["("]}, "unfrozen_parameters: '\\(' is not a regex"),
     ({"adapter": "lora", "lora_target_linear": True, "peft": {"loftq": True}}, "peft: loftq is not supported: peft's own options here are loftq_config"),
 ])
