@@ -203,6 +203,65 @@ def test_a_misnamed_batch_is_refused_on_real_gloo_processes_too():
     assert "batch['tokens'] is named 'seq batch' but this train_step reads it as 'batch seq'" in str(info.value)
 
 
+@pytest.mark.parametrize("rules, close", [
+    (fpp.Rules(mpl="tp"), "mlp"),
+    (llama.default_rules(tp=False).replace(mpl="tp"), "mlp"),       # (a default rule replaced: checked)
+    (fpp.Rules(vocab="tp", hidden_dim="tp"), "hidden"),
+], ids=["mpl", "defaults + mpl", "hidden_dim"])
+def test_a_misspelt_rule_name_is_refused_at_the_first_step(rules, close):
+    """``Rules(mpl="tp")`` (a typo of ``mlp``) was accepted and never used: the MLP trained whole
+    on every device, silently. Refused after the first step (when the names the parameters,
+    the batch and the ops use are known), naming the rule, the close name and the used ones."""
+    with pytest.raises(fpp.DeviceError) as info:
+        run_steps(fpp.Mesh(tp=2), rules, [BATCH])
+    msg = str(info.value.original)
+    assert type(info.value.original) is ValueError
+    typo = "mpl" if close == "mlp" else "hidden_dim"
+    assert f"train_step: the rule {typo}=('tp',) names a dimension that no parameter, batch entry or op" in msg
+    assert f"did you mean {close}=('tp',)?" in msg and "'kv_heads'" in msg and f"{close}=None keeps it whole" in msg
+
+
+@pytest.mark.parametrize("rules", [
+    fpp.Rules(mlp="tp", experts="tp"),           # a rule for another model's dimension: model-agnostic rules
+    fpp.Rules(mpl="tp", mlp=None),               # the close name has a rule of its own: mpl is meant elsewhere
+    llama.default_rules(),                       # library defaults name Mamba's and MoE's dimensions too
+], ids=["experts on a dense model", "close name ruled", "defaults"])
+def test_rules_for_names_the_model_lacks_are_accepted(rules):
+    before, after, metrics = run_steps(fpp.Mesh(tp=2), rules, [BATCH, BATCH])
+    assert len(metrics) == 2 and all(m["skipped"] == 0 for m in metrics)
+
+
+@pytest.mark.parametrize("call, error, words", [
+    (lambda: fpp.launch(lambda: None, 5), TypeError, r"launch\(fn, mesh\): mesh must be a functional_pp.Mesh, got int 5 "
+                                                    r"\(e.g. fpp.Mesh\(dp_shard=5\)"),
+    (lambda: fpp.train_step(LOSS, "adamw"), TypeError, r"train_step: optimizer must be an \(init, update\) pair such as "
+                                                       r"functional_pp.optim.adamw\(3e-4\).*got str 'adamw'"),
+    (lambda: fpp.train_step(LOSS, fpp.optim.adamw(1e-3), mesh=fpp.Mesh(), rules={"mlp": "tp"}), TypeError,
+     r"rules must be a functional_pp.Rules, got dict .*wrap it: fpp.Rules\(\{'mlp': 'tp'\}\)"),
+    (lambda: fpp.Rules(mlp=3), TypeError, r"the rule for dim 'mlp' must be a mesh axis name.*got 3"),
+    (lambda: fpp.Rules(mlp=[["tp"]]), TypeError, r"the rule for dim 'mlp' must be a mesh axis name.*got \[\['tp'\]\]"),
+    (lambda: fpp.param((4, 4), "hidden hidden"), ValueError, r"dimension name 'hidden' is given twice"),
+    (lambda: fpp.param((4, -1), "hidden mlp"), ValueError, r"every size must be a number >= 0, got -1"),
+    (lambda: fpp.train_step(LOSS, fpp.optim.adamw(1e-3), mesh=fpp.Mesh(tpp=2), rules=llama.default_rules()), ValueError,
+     r"train_step: mesh axis 'tpp' \(size 2\) is named by no rule, while 'tp'.* has size 1: did you mean Mesh\(tp=2\)"),
+], ids=["launch mesh int", "optimizer str", "rules dict", "rule int", "rule nested list", "param dims twice",
+        "param negative", "mesh axis tpp"])
+def test_bad_api_arguments_are_refused_where_they_are_given(call, error, words):
+    """Each of these failed later (inside the first step or ``init``) with an AttributeError,
+    ``'int' object is not iterable``, a torch shape error, or ran with nothing split (``tpp``)."""
+    with pytest.raises(error, match=words):
+        call()
+
+
+def test_a_loss_function_returning_a_tuple_is_named():
+    def with_aux(params, batch):
+        return LOSS(params, batch), {"aux": 1}
+    with pytest.raises(fpp.DeviceError) as info:
+        run_steps(fpp.Mesh(), fpp.Rules(), [BATCH], loss_fn=with_aux)
+    assert type(info.value.original) is TypeError
+    assert "train_step: loss_fn(params, batch) returned a tuple; it must return the loss alone" in str(info.value)
+
+
 @pytest.mark.parametrize("part", ["opt_state", "params"])
 def test_a_state_of_another_parameter_tree_is_named_not_a_torch_shape_error(part):
     """An optimizer state (or parameters) from another model size failed inside torch with "The
@@ -712,6 +771,33 @@ def test_bad_hardening_keys_are_config_errors_before_any_work(tmp_path, capsys, 
     status, stdout, err = run_cli(capsys, cfg, "--set", override)
     assert status == 2 and stdout == "" and not out.exists()
     assert_one_line(err, "functional-pp: config error:", words)
+
+
+@pytest.mark.parametrize("override, words", [
+    ("adam_beta2=1.5", "scale_by_adam: b2=1.5 is outside [0, 1) (the second-moment decay, e.g. 0.95 or 0.999) "
+                       "[config key: adam_beta2]"),
+    ("adam_epsilon=-1e-8", "eps=-1e-08 is outside (0, inf)"),
+], ids=["adam_beta2 1.5", "adam_epsilon negative"])
+def test_validate_makes_the_optimizers_checks_as_train_does(tmp_path, capsys, override, words):
+    """``validate`` said ``config ok`` for settings the optimizer refuses when ``train`` builds it."""
+    cfg = write_cfg(tmp_path / "c.yaml", tmp_path / "run")
+    assert cli.main(["validate", str(cfg), "--set", override]) == 2
+    out, err = capsys.readouterr()
+    assert "config ok" not in out
+    assert_one_line(err, "functional-pp: config error: optimizer settings:", words)
+
+
+def test_a_dataset_without_type_names_the_type_its_records_look_like(tmp_path, capsys):
+    """A dataset entry without ``type`` is read as completion text (field ``text``): alpaca records
+    were refused as "record 1 has no field 'text'" without saying why that field was looked for."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"instruction": f"say {i}", "input": "", "output": f"ok {i}"}) + "\n"
+                            for i in range(8)))
+    cfg = write_cfg(tmp_path / "c.yaml", tmp_path / "run", data=None, datasets=[{"path": str(rows)}])
+    assert cli.main(["validate", str(cfg)]) == 2
+    assert_one_line(capsys.readouterr().err, "datasets[0] (", "record 1 has no field 'text'",
+                    "the dataset has no type, so it is read as completion text from field 'text': its fields look "
+                    "like type alpaca: set datasets[0].type: alpaca")
 
 
 def test_axolotls_test_datasets_is_refused_without_pointing_at_datasets(tmp_path, capsys):

@@ -73,6 +73,11 @@ class LoraConfig:
     def __post_init__(self) -> None:
         if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
             raise ValueError(f"LoRA: r (lora_r) must be an integer >= 1, got {self.r!r}")
+        alpha = self.alpha
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha == 0:
+            raise ValueError(f"LoRA: alpha (lora_alpha) must be a finite number other than 0, got {alpha!r}: the "
+                             f"adapters are scaled by alpha / r (alpha / sqrt(r) with rslora), so 0 makes them change "
+                             f"nothing and learn nothing; use e.g. lora_alpha = 2 x lora_r")
         if not 0.0 <= float(self.dropout) < 1.0:
             raise ValueError(f"LoRA: dropout (lora_dropout) must be in [0, 1), got {self.dropout!r}")
         if self.target_modules is None and not self.target_linear:

@@ -109,6 +109,8 @@ def _validate(args: argparse.Namespace) -> int:
             cfg.set_epochs(ebft_run.steps_per_epoch(data.train, gb))
         else:
             cfg.set_epochs(check_batches(cfg, data, gb) if not pairs else pair_steps(data.train, gb, cfg))
+        from functional_pp.app.optimizer import optimizer_from_config
+        optimizer_from_config(cfg)     # the optimizer's own range checks (adam_beta2: 1.5), as train makes them
         device = select_device(world.simulate, world.size, under_torchrun())
         print(describe(cfg, world, mesh, rules, model_cfg, data.train,
                        device_text=describe_device(device, world.simulate, world.size, world.sim_mode),

@@ -438,6 +438,11 @@ def _check_ebft(cfg: Any, add) -> None:
             f"built; use dp / fsdp / tp (pp_size 1)")
 
 
+def _asks_nothing(value: Any) -> bool:
+    """``false``, blank or empty (not 0: ``lora_dropout: 0.0`` is a LoRA setting)."""
+    return value is None or value is False or (isinstance(value, (str, list, tuple, dict)) and not value)
+
+
 def check_adapter(cfg: Any, add) -> None:
     """The adapter keys: ``adapter: lora`` with a valid LoRA config; LoRA keys without it,
     bad QLoRA settings refused with what to do instead."""
@@ -447,9 +452,16 @@ def check_adapter(cfg: Any, add) -> None:
     if cfg.adapter is None:
         from dataclasses import fields
         defaults = {f.name: f.default for f in fields(cfg)}
-        given = [k for k in LORA_KEYS if getattr(cfg, k) != defaults[k]]
+        # a key written in the config counts even at its default (`lora_r: 8`); `false` / blank
+        # ask for nothing. (A saved config writes `adapter: null`, whose LoRA keys are dropped
+        # as unused before this: config/aliases._without_unused_lora_keys.)
+        given = [k for k in LORA_KEYS
+                 if getattr(cfg, k) != defaults[k]
+                 or (k in cfg._given and not _asks_nothing(getattr(cfg, k)))]
         if given:
-            add(f"{given[0]} is set but adapter is not: add adapter: lora (or remove the LoRA keys)")
+            add(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} set but adapter is not: add adapter: lora "
+                f"(or adapter: qlora with load_in_4bit) to train LoRA adapters, or remove the LoRA keys for full "
+                f"fine-tuning (without adapter the whole model is trained and the LoRA keys are ignored)")
     elif cfg.lora_target_modules is None and not cfg.lora_target_linear and not cfg.lora_target_parameters:
         add(f"adapter: {cfg.adapter} names no weights to adapt; set lora_target_modules ([q_proj, v_proj] "
             f"or a regex) or lora_target_linear: true")

@@ -581,7 +581,7 @@ class TrainConfig:
         except ValueError as exc:
             raise ConfigError(f"rules: {exc}") from exc
         assert isinstance(rules, Rules)
-        return rules
+        return rules.as_defaults()     # (the names of the config's rules are checked against the model's: config/checks.py)
 
     def batch_axes(self, mesh, rules) -> tuple[str, ...]:
         """Mesh axes that split the batch (size > 1)."""

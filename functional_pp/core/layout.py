@@ -82,6 +82,10 @@ class Rules:
             if isinstance(axes, balanced):
                 self.balanced_dims.add(logical)
                 axes = axes.axes
+            if not (axes is None or isinstance(axes, str) or (isinstance(axes, (tuple, list)) and all(
+                    isinstance(a, str) for a in axes))):
+                raise TypeError(f"Rules: the rule for dim {logical!r} must be a mesh axis name, a sequence of them, "
+                                f"None, balanced(...) or inherit(...), got {axes!r} (e.g. Rules({logical}='tp'))")
             axes = as_axes(axes)
             self._check_dup(logical, axes)
             self.table[logical] = axes
@@ -95,6 +99,16 @@ class Rules:
                 seen.append(d)
         self._resolved: dict = {}
         self._warned: set = set()
+        self._seen: set[str] = set()        # dimension names resolved eagerly (check_used)
+        self._library: frozenset[str] = frozenset()     # names written by library defaults
+
+    def as_defaults(self) -> "Rules":
+        """A copy whose every rule counts as a library default: :meth:`check_used` never
+        questions its names (``llama.default_rules`` names dimensions of many models). A rule
+        given later through :meth:`replace` is checked again."""
+        out = Rules(self.entries())
+        out._library = frozenset(out.entries())
+        return out
 
     @staticmethod
     def _check_dup(logical: str, axes: AxisNames) -> None:
@@ -154,7 +168,47 @@ class Rules:
         """A copy with some rules changed (None removes a rule; a plain rule is contiguous)."""
         merged = self.entries()
         merged.update(rules)
-        return Rules({k: v for k, v in merged.items() if v is not None})
+        out = Rules({k: v for k, v in merged.items() if v is not None})
+        out._library = self._library - set(rules)
+        return out
+
+    def check_mesh_axes(self, mesh: Mesh, where: str = "train_step") -> None:
+        """Raise a ValueError for a mesh axis that looks misspelt: of size > 1, named by no rule,
+        while a close name that the rules do name has size 1 (``Mesh(tpp=2)`` beside rules over
+        ``tp``: every device along ``tpp`` would do the same work, nothing split)."""
+        named = {a for axes in self.table.values() for a in axes} | {a for _, extra in self.derived.values()
+                                                                     for a in extra}
+        for a in mesh.axis_names:
+            if mesh.shape[a] > 1 and a not in named:
+                close = difflib.get_close_matches(a, sorted(named), n=1, cutoff=0.6)
+                if close and mesh.shape.get(close[0], 1) == 1:
+                    raise ValueError(
+                        f"{where}: mesh axis {a!r} (size {mesh.shape[a]}) is named by no rule, while {close[0]!r}, "
+                        f"which the rules split dimensions over, has size 1: did you mean "
+                        f"Mesh({close[0]}={mesh.shape[a]})? (mesh {dict(mesh.shape)})")
+
+    def check_used(self, used: Iterable[str], where: str = "train_step") -> None:
+        """Raise a ValueError for a rule that looks like a misspelt dimension name: no
+        parameter, batch entry or op of the step used its name, while a close name was used
+        that has no rule of its own (``Rules(mpl="tp")`` beside a model's ``mlp``, left whole).
+        A rule for a name far from every used one is fine (rules are model-agnostic:
+        ``experts`` on a dense model), and so is every library default (:meth:`as_defaults`).
+        ``used``: the names the step used; the names :meth:`resolve` saw eagerly count too."""
+        used = set(used) | self._seen
+        for name in list(used):              # a used derived name uses its parents' rules
+            while (name := self.parent(name)) is not None and name not in used:
+                used.add(name)
+        ruled = set(self.table) | set(self.derived)
+        unruled = sorted(u for u in used if u not in ruled)
+        for name in sorted(ruled - used - self._library):
+            close = difflib.get_close_matches(name, unruled, n=1, cutoff=0.6)
+            if close:
+                rule = self.entries()[name]
+                raise ValueError(
+                    f"{where}: the rule {name}={rule!r} names a dimension that no parameter, batch entry or op of "
+                    f"this step has, and {close[0]!r}, which it has, has no rule (it stays whole): did you mean "
+                    f"{close[0]}={rule!r}? Dimension names used: {sorted(used)}. If {name!r} is a dimension of "
+                    f"another model, give {close[0]!r} a rule of its own ({close[0]}=None keeps it whole)")
 
     def check(self, mesh: Mesh) -> None:
         """Raise if a rule names a mesh axis that ``mesh`` does not have."""
@@ -182,6 +236,8 @@ class Rules:
         cached = None if compiling else self._resolved.get(key)
         if cached is not None:
             return cached
+        if not compiling:
+            self._seen.update(dims)  # (each key once: the cache holds it from here)
         self.check(mesh)
         taken: set[str] = set()
         layout = []

@@ -33,6 +33,14 @@ class Param:
         if len(self.shape) != len(self.dims):
             raise ValueError(f"param of shape {self.shape} needs one name per dimension, "
                              f"got dimension names {self.dims}")
+        twice = sorted({d for d in self.dims if self.dims.count(d) > 1})
+        if twice:
+            raise ValueError(f"param of shape {self.shape}: dimension name {twice[0]!r} is given twice ({self.dims}); "
+                             f"each dimension needs a name of its own (e.g. 'hidden hidden_out')")
+        bad = [n for n in self.shape if not isinstance(n, (int, float)) or isinstance(n, bool) or n < 0]
+        if bad:
+            raise ValueError(f"param of shape {self.shape} with dimensions {self.dims}: every size must be a "
+                             f"number >= 0, got {bad[0]!r}")
 
     @property
     def axes(self) -> tuple[str, ...]:

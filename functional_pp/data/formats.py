@@ -376,6 +376,8 @@ def _examples(entry, tok, train_inputs: bool, spec: ChatSpec | None,
         return
     for n, rec in enumerate(_items(entry, where), start=1):
         if kind == "completion":
+            if entry.type is None and isinstance(rec, dict) and entry.field not in rec:
+                _refuse_untyped(rec, entry.field, where, n)
             text = _field(rec, entry.field, where, n)
             if not isinstance(text, str):
                 raise ValueError(f"{where}: record {n}: field {entry.field!r} is "
@@ -388,6 +390,20 @@ def _examples(entry, tok, train_inputs: bool, spec: ChatSpec | None,
         else:
             assert spec is not None
             yield (*_chat(tok, rec, spec, where, n), rec)
+
+
+def _refuse_untyped(rec: dict, field: str, where: str, n: int) -> None:
+    """A record of a dataset without ``type`` (read as completion text) that lacks the text field:
+    named with the type its fields look like."""
+    keys = set(rec)
+    kind = ("alpaca" if {"instruction", "output"} <= keys else
+            "chat_template" if keys & {"messages", "conversations"} else
+            "input_output" if "segments" in keys else None)
+    key = where.split(" ", 1)[0]
+    hint = (f"its fields look like type {kind}: set {key}.type: {kind}" if kind else
+            f"set {key}.type ({', '.join(TYPES)}), or {key}.field: the name of the text field")
+    raise ValueError(f"{where}: record {n} has no field {field!r} (it has {sorted(rec)}); the dataset has no type, "
+                     f"so it is read as completion text from field {field!r}: {hint}")
 
 
 def _guess_type(path: Path, ds_type: str | None) -> str:

@@ -58,6 +58,13 @@ def launch(fn: Callable[[], Any], mesh: Mesh, *, simulate: bool | str | None = N
     once), real processes pass it to the process group (default 600) and name the ranks
     that did not take part (docs/bad_inputs.md §4).
     """
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"launch(fn, mesh): mesh must be a functional_pp.Mesh, got {type(mesh).__name__} {mesh!r} "
+                        f"(e.g. fpp.Mesh(dp_shard={mesh}) for {mesh} devices)" if isinstance(mesh, int) and
+                        not isinstance(mesh, bool) else f"launch(fn, mesh): mesh must be a functional_pp.Mesh, got "
+                        f"{type(mesh).__name__} {mesh!r} (e.g. fpp.Mesh(dp_shard=2))")
+    if not callable(fn):
+        raise TypeError(f"launch(fn, mesh): fn must be a function run on every device, got {type(fn).__name__}")
     if timeout is not None and not timeout > 0:
         raise ValueError(f"launch: timeout must be a positive number of seconds, got {timeout!r}")
     if processes:

@@ -1498,7 +1498,7 @@ def default_rules(tp: bool = True, fsdp: bool = True, sequence_parallel: bool = 
         rules["hidden"] = ("dp_shard", "cp")
     if sequence_parallel:
         rules["res_seq"] = inherit("seq", "tp")
-    return Rules(rules)
+    return Rules(rules).as_defaults()     # (names of many models: never questioned by Rules.check_used)
 
 
 def flops_per_token(cfg: Config, seq: int) -> float:

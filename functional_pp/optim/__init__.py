@@ -9,7 +9,7 @@ bounds: new parameters shown finite before they are written)."""
 from functional_pp.optim import schedules
 from functional_pp.optim.adam import ScaleByAdamState, scale_by_adam
 from functional_pp.optim.adam8bit import Quantized4, Quantized8, ScaleByAdam8bitState, scale_by_adam_4bit, scale_by_adam_8bit
-from functional_pp.optim.base import (EmptyState, GradientTransformation, ScaleByScheduleState, TraceState,
+from functional_pp.optim.base import (DECLINED, EmptyState, GradientTransformation, ScaleByScheduleState, TraceState,
                                       apply_updates, identity, in_place_step, returns_fresh, scale,
                                       scale_by_learning_rate, scale_by_schedule, state_like_params, trace, tree_map,
                                       update_bound, update_with)
@@ -23,7 +23,7 @@ from functional_pp.optim.optimizers import (CONFIG_KEYS, adamw, adamw_4bit, adam
 
 __all__ = [
     "schedules", "GradientTransformation", "EmptyState", "ScaleByAdamState", "ScaleByScheduleState", "TraceState",
-    "NormReducer", "tree_map", "apply_updates", "update_with", "update_bound", "in_place_step", "returns_fresh", "chain", "identity", "scale", "scale_by_schedule",
+    "NormReducer", "tree_map", "apply_updates", "update_with", "update_bound", "in_place_step", "DECLINED", "returns_fresh", "chain", "identity", "scale", "scale_by_schedule",
     "scale_by_learning_rate", "scale_by_adam", "scale_by_adamw", "add_decayed_weights", "trace",
     "clip_by_global_norm", "global_norm", "decay_mask_by_ndim", "mask_by_path", "resolve_mask",
     "state_like_params", "sgd", "adamw", "adamw_8bit", "scale_by_adam_8bit", "ScaleByAdam8bitState", "Quantized8",

@@ -32,6 +32,9 @@ ScalarOrSchedule = Union[float, Schedule]
 FRESH = "fresh"        # new tensors it allocated: the next transformation may overwrite them
 INHERIT = "inherit"    # the tensors it was given (possibly modified in place when donated)
 ALIASED = "aliased"    # tensors that are also kept elsewhere (e.g. in its state): never overwrite
+# what an in-place step (:func:`in_place_step`) returns where it does not apply, having touched
+# nothing: the caller makes the update another way (``update`` in new buffers)
+DECLINED = "declined"
 
 
 def state_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -105,11 +108,11 @@ class GradientTransformation(_Pair):
     ``_replace`` makes a plain pair (the declarations describe the functions they came with)."""
 
     returns: str | None
-    in_place: Callable[..., None] | None
+    in_place: Callable[..., torch.Tensor | bool | str | None] | None
     bound: Any
 
     def __new__(cls, init: Callable[[PyTree], PyTree], update: Callable[..., tuple], *,
-                returns: str | None = None, in_place: Callable[..., None] | None = None,
+                returns: str | None = None, in_place: Callable[..., torch.Tensor | bool | str | None] | None = None,
                 bound: Any = None) -> "GradientTransformation":
         self = super().__new__(cls, init, update)
         self.returns, self.in_place, self.bound = returns, in_place, bound
@@ -122,7 +125,8 @@ class GradientTransformation(_Pair):
 
 
 def transform(init: Callable[[PyTree], PyTree], update: Callable[..., tuple], returns: str,
-              in_place: Callable[..., None] | None = None, bound: Any = None) -> GradientTransformation:
+              in_place: Callable[..., torch.Tensor | bool | str | None] | None = None,
+              bound: Any = None) -> GradientTransformation:
     """A transformation whose ``update`` accepts the extra keyword arguments (``**extra``) and
     returns ``returns`` updates (:data:`FRESH`, :data:`INHERIT` or :data:`ALIASED`), with an
     optional in-place step and pre-update bound (:class:`GradientTransformation`)."""
@@ -133,17 +137,22 @@ def _declared(t: Any, name: str) -> Any:
     return getattr(t, name, None) if isinstance(t, GradientTransformation) else None
 
 
-def in_place_step(t: GradientTransformation) -> Callable[..., None] | None:
+def in_place_step(t: GradientTransformation) -> Callable[..., torch.Tensor | bool | str | None] | None:
     """The transformation's in-place step, or None. ``step(grads, state, params, *, skip,
     grad_norm)`` (lists of tensors for ``grads``/``params``, ``state`` as ``t.init`` made it)
     does what ``update`` followed by :func:`apply_updates` would, writing the new parameters
     into ``params`` and the new state into ``state``'s tensors, and leaves everything as it was
     where the 0-dim bool ``skip`` is true. ``grads`` are donated; ``grad_norm`` is their global
-    norm (for clipping); an optional ``params_finite`` (0-dim bool) tells a step whose bound
-    needs finite parameters whether they are, instead of reading them; an optional ``leaves``
-    (the leaves of ``params`` and ``grads``, where the caller has flattened them) saves a
-    flatten of each. For callers whose state is theirs to overwrite (a donated training state);
-    results equal the pure path's within rounding (docs/optim.md "In place")."""
+    norm (for clipping). Optional keywords, passed where the step accepts them: ``norm_reducer``
+    (completes a sum of squares over the devices, as ``update``'s); ``params_finite`` (0-dim bool)
+    tells a step whose bound needs finite parameters whether they are, instead of reading them;
+    ``leaves`` (the leaves of ``params`` and ``grads``, where the caller has flattened them) saves a
+    flatten of each. It returns None (or False) where it wrote the update (or left everything as
+    it was where ``skip``); a 0-dim bool ``held``, true where it held itself back writing nothing
+    (the caller then makes the update another way); :data:`DECLINED` where it does not apply,
+    having touched nothing (the caller makes the update in new buffers). For callers whose state
+    is theirs to overwrite (a donated training state); results equal the pure path's within
+    rounding (docs/optim.md "In place")."""
     return _declared(t, "in_place")
 
 

@@ -15,7 +15,7 @@ from functional_pp._torch import is_tracing
 from functional_pp.core.runtime import new_per_thread
 
 from functional_pp.optim.adam import adamw_states, learning_rate
-from functional_pp.optim.base import PyTree, ScalarOrSchedule, ScaleByScheduleState, tree_leaves
+from functional_pp.optim.base import DECLINED, PyTree, ScalarOrSchedule, ScaleByScheduleState, tree_leaves
 from functional_pp.optim.bounds import adamw_bound, bound_norm
 from functional_pp.optim.masking import Mask, resolve_mask
 
@@ -23,7 +23,7 @@ FUSED_DEVICES = ("cpu", "cuda")
 
 
 def adamw_in_place(lr: ScalarOrSchedule, b1: float, b2: float, eps: float, weight_decay: float, mask: Mask,
-                   clip_norm: Optional[float]) -> Callable[..., bool]:
+                   clip_norm: Optional[float]) -> Callable[..., torch.Tensor | str]:
     """The in-place step of ``optim.adamw(lr, b1, b2, eps, weight_decay, mask, clip_norm)``:
     clipping by the given ``grad_norm`` (in the donated gradients), then one
     ``torch._fused_adamw_`` call per (device, dtype, decayed) group of leaves with the
@@ -34,8 +34,8 @@ def adamw_in_place(lr: ScalarOrSchedule, b1: float, b2: float, eps: float, weigh
     optimizer's pre-update bound, :func:`functional_pp.optim.bounds.adamw_bound`) and holds
     itself back, changing nothing, where it cannot show the new parameters finite (given
     ``params_finite``, whether the parameters are, it does not read them). It returns
-    that ``held`` flag (0-dim bool; the caller then makes the update another way), or None,
-    touching nothing, where the kernel does not apply (a device other than cpu/cuda, a
+    that ``held`` flag (0-dim bool; the caller then makes the update another way), or
+    ``DECLINED``, touching nothing, where the kernel does not apply (a device other than cpu/cuda, a
     non-float leaf, moments of another dtype). ``leaves``: the leaves of ``params`` and ``grads``
     where the caller has them (the training step does: no second flatten)."""
 
@@ -45,15 +45,15 @@ def adamw_in_place(lr: ScalarOrSchedule, b1: float, b2: float, eps: float, weigh
     def step(grads: PyTree, state: tuple, params: PyTree, *, skip: torch.Tensor,
              grad_norm: torch.Tensor, norm_reducer: Optional[Callable] = None,
              params_finite: Optional[torch.Tensor] = None,
-             leaves: Optional[tuple[list, list]] = None) -> Optional[torch.Tensor]:
+             leaves: Optional[tuple[list, list]] = None) -> torch.Tensor | str:
         adam, schedule = adamw_states(state)
         ps, gs = (tree_leaves(params), tree_leaves(grads)) if leaves is None else leaves
         mus, nus = tree_leaves(adam.mu), tree_leaves(adam.nu)
         if not ps or not _grads_fit(ps, gs):
-            return None
+            return DECLINED
         plan = _plan(plans, ps, mus, nus, mask, params)
         if plan is None:
-            return None
+            return DECLINED
         kernel_groups, by_dtype = plan
         rate = torch.as_tensor(learning_rate(lr, schedule)) if callable(lr) else lr
         n = bound_norm(bound, state, params, grad_norm, norm_reducer, params_finite, leaves=(ps, mus))

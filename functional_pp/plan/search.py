@@ -101,7 +101,7 @@ def standard_rules(fsdp: Sequence[str] = ("dp_shard", "cp"), sequence_parallel: 
         rules["layers"] = "pp"
     if ep:
         rules.update(batch=(*rules["batch"], "ep"), experts="ep", hidden=(*rules.get("hidden", ()), "ep"))
-    return Rules(rules)
+    return Rules(rules).as_defaults()
 
 
 def _meshes(n_devices: int, space: Space) -> Iterable[Mesh]:

@@ -125,7 +125,7 @@ class PlainDeviceStep:
             blocks = [x.data for x in tree_leaves(named_params)] if keep_ties_apart else ()
             with step_values.collecting() as found, param_uses.counting(learning) as uses, acts, \
                     param_uses.declaring() as declared:
-                loss_named = settle(s.loss_fn(named_params, named_batch))
+                loss_named = settle(_loss_value(s.loss_fn(named_params, named_batch)))
             tied_leaves |= param_uses.declared_positions(declared, blocks)
             blocks = declared = None
             if learning:                    # parameters gathered at several sites: tied from now on
@@ -236,3 +236,13 @@ def _differentiable(x, seed, requires):
         return differentiable(x, seed, requires)
     with recomputed_leaf():
         return differentiable(x, seed, requires)
+
+
+def _loss_value(out: Any) -> Any:
+    """The loss function's result, refused naming the contract when it is a tuple, a mapping or a
+    Python number (settle's own message named neither the loss function nor what it returns)."""
+    if isinstance(out, (tuple, list, dict, int, float)):
+        raise TypeError(f"train_step: loss_fn(params, batch) returned a {type(out).__name__}; it must return the "
+                        f"loss alone, a named scalar (e.g. ops.cross_entropy(logits, labels), or ops.mean(x, "
+                        f"'batch seq') of per-token losses); auxiliary outputs are not returned with it")
+    return out

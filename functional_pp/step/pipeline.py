@@ -529,8 +529,11 @@ def pipeline_step(loss_fn, optimizer, *, mesh=None, rules=None, schedule: str = 
     :class:`PipelineSchedule` (the options of :func:`~functional_pp.step.train.train_step`,
     ``grad_accum`` the number of micro-batches)."""
     from functional_pp.core.layout import Rules
+    from functional_pp.step.train import check_step_arguments
+    check_step_arguments(optimizer, mesh, rules, "pipeline_step")
     if rules is not None and mesh is not None:
         rules.check(mesh)
+        rules.check_mesh_axes(mesh, "pipeline_step")
     options, stage_compile = pipeline_settings(step_options(dict(options), "pipeline_step"))
     schedule_fn = PipelineSchedule(schedule=schedule, virtual_stages=virtual_stages, layers=layers,
                                    first_stage=tuple(first_stage), last_stage=tuple(last_stage),

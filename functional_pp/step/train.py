@@ -77,6 +77,7 @@ class TrainStep(StepSettings):
         self.device = self.device if self.device is not None else PlainDeviceStep()
         self.device.bind(self)      # (first: it may refuse a setting by name; step/pipeline.py)
         self.spec: ParamSpec | None = None
+        self._rules_checked = False      # Rules.check_used after the first step
         self._compile_lock = threading.Lock()   # simulated devices share one spec (and a pipeline's stages)
         self._compiled = CompiledStep(lambda: split_mode(self.compile)[0], lambda: self.policy, self.resolved_policy)
         self._layers = LayerUse()               # fpp.layer calls seen, FSDP units' order (step/layering.py)
@@ -196,6 +197,9 @@ class TrainStep(StepSettings):
         except Exception as exc:
             self._refuse_foreign_state(state, exc)
             raise
+        if not self._rules_checked:      # once the names the step uses are known: a misspelt rule
+            self.rules.check_used([*(d for dims in self.spec.dims for d in dims), *self._batch_dim_names()])
+            self._rules_checked = True
         # read every step, or kept unread (metrics="deferred"): step/metrics_modes.py
         new, metrics, peaks = self._metrics.finish(state, batch, out, id_checks, t0)
         out = None
@@ -371,6 +375,22 @@ class TrainStep(StepSettings):
                            update if update is not None else self._update)
 
 
+def check_step_arguments(optimizer: Any, mesh: Any, rules: Any, where: str) -> None:
+    """Refuse an optimizer that is not an ``(init, update)`` pair, a mesh that is not a
+    :class:`Mesh` or rules that are not :class:`Rules`, naming what to pass instead (a plain dict
+    of rules, or ``"adamw"``, used to fail inside the first step)."""
+    if not (isinstance(optimizer, tuple) and len(optimizer) == 2 and all(callable(f) for f in optimizer)):
+        raise TypeError(f"{where}: optimizer must be an (init, update) pair such as functional_pp.optim.adamw(3e-4) "
+                        f"(a GradientTransformation), got {type(optimizer).__name__} {optimizer!r}"[:400])
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise TypeError(f"{where}: mesh must be a functional_pp.Mesh (e.g. fpp.Mesh(dp_shard=2)), got "
+                        f"{type(mesh).__name__} {mesh!r}")
+    if rules is not None and not isinstance(rules, Rules):
+        hint = f"fpp.Rules({dict(rules)!r})" if isinstance(rules, dict) else "fpp.Rules(mlp='tp', ...)"
+        raise TypeError(f"{where}: rules must be a functional_pp.Rules, got {type(rules).__name__} {rules!r}; "
+                        f"wrap it: {hint}")
+
+
 def train_step(loss_fn: Callable[[Any, dict], Named], optimizer: optim.GradientTransformation, *,
                mesh: Mesh | None = None, rules: Rules | None = None, **options) -> TrainStep:
     """Build a training step: see :class:`TrainStep` for the options (compile, grad_accum,
@@ -379,7 +399,9 @@ def train_step(loss_fn: Callable[[Any, dict], Named], optimizer: optim.GradientT
     keep_gathered, cp_attention, regather_activations, check_rep, bucket_mb, fsdp_units,
     fsdp_keep_root, fsdp_prefetch, collectives_in_flight, overlap), which change that policy
     (docs/policy.md)."""
+    check_step_arguments(optimizer, mesh, rules, "train_step")
     if rules is not None and mesh is not None:
         rules.check(mesh)
+        rules.check_mesh_axes(mesh, "train_step")
     return TrainStep(loss_fn, optimizer, mesh=mesh, rules=rules or Rules(), **step_options(dict(options)))
 

@@ -129,6 +129,23 @@ class InPlace(UpdateStrategy):
     def __init__(self, optimizer: optim.GradientTransformation, step_in_place: Callable[..., Any]):
         self.optimizer, self.step_in_place = optimizer, step_in_place
         self.eager, self.without_donation = self, InNewBuffers(optimizer)
+        self.optional = _accepted_keywords(step_in_place)
+
+    def _held(self, held: Any, skip: torch.Tensor) -> torch.Tensor:
+        """The step's ``held`` as a 0-dim bool tensor: None or False (written, or left as it was
+        where skipped) is not held; anything else is refused naming the contract."""
+        if held is None or held is False:
+            return torch.zeros_like(skip)
+        if held is True:
+            return torch.ones_like(skip)
+        if isinstance(held, torch.Tensor) and held.dim() == 0 and held.dtype == torch.bool:
+            return held
+        what = (f"a {held.dtype} tensor of shape {tuple(held.shape)}" if isinstance(held, torch.Tensor)
+                else f"{type(held).__name__} {held!r}")
+        raise TypeError(f"the optimizer's in-place step ({_name(self.step_in_place)}) returned {what}; it returns "
+                        f"None where it wrote the update, a 0-dim bool tensor 'held' (true: it wrote nothing, the "
+                        f"update is made again in new buffers) or optim.DECLINED where it does not apply, having "
+                        f"touched nothing (docs/optim.md \"In place\")")
 
     def apply(self, grads, treespec, params, opt_state, loss, groups, *, params_finite=None, peaks=None,
               reduce_on=None, param_leaves=None) -> Updated:
@@ -137,8 +154,14 @@ class InPlace(UpdateStrategy):
         groups, sq_reducer, gs, grad_norm, bad, skip = _norm_and_checks(grads, params, loss, groups, reduce_on,
                                                                         param_leaves)
         # the leaves passed as they are (the step's in-place contract takes lists): no tree built, none flattened
-        held = self.step_in_place(gs, opt_state, params, skip=skip, grad_norm=grad_norm, norm_reducer=sq_reducer,
-                                  params_finite=params_finite, leaves=(param_leaves, gs))
+        optional = dict(norm_reducer=sq_reducer, params_finite=params_finite, leaves=(param_leaves, gs))
+        if self.optional is not None:     # (the optional keywords the step takes)
+            optional = {k: v for k, v in optional.items() if k in self.optional}
+        held = self.step_in_place(gs, opt_state, params, skip=skip, grad_norm=grad_norm, **optional)
+        if isinstance(held, str) and held == optim.DECLINED:     # touched nothing: the update in new buffers
+            return _in_new_buffers(self.optimizer, tree_unflatten(treespec, gs), params, opt_state, bad, groups,
+                                   grad_norm, ~skip, sq_reducer)
+        held = self._held(held, skip)
         flags = {**nonfinite_flags(*bad), "update_held": held}
         skipped = skip | held      # (nothing written: skipped or held)
         return Updated(params, opt_state, grad_norm, flags, ~skipped, True, skip=skipped)
@@ -195,6 +218,29 @@ class WrittenUnderGuard(UpdateStrategy):
         update_ok = all_finite(tree_leaves(up.params), groups)
         up.flags, up.finite, up.written = nonfinite_flags(*bad, update_ok), ok & update_ok, True
         return up
+
+
+def _accepted_keywords(fn: Callable[..., Any]) -> set[str] | None:
+    """The keyword names ``fn`` takes (None: any, ``**kwargs``); an in-place step that does not take
+    ``skip`` and ``grad_norm`` is refused naming the contract."""
+    import inspect
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):      # (a builtin without a signature: given every keyword)
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    names = {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+    missing = [k for k in ("skip", "grad_norm") if k not in names]
+    if missing:
+        raise TypeError(f"the optimizer's in-place step ({_name(fn)}) takes no {' or '.join(missing)} keyword: it is "
+                        f"called step(grads, state, params, *, skip, grad_norm[, norm_reducer, params_finite, leaves]) "
+                        f"(docs/optim.md \"In place\")")
+    return names
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
 
 
 def choose_update(optimizer: optim.GradientTransformation, *, donate_state: bool, compiled: bool = False,

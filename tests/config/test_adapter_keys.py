@@ -5,6 +5,7 @@ adapter and an adapter directory without its base model are refused by name."""
 import functools
 
 import pytest
+import yaml
 
 from functional_pp import adapters
 from functional_pp.app.inputs import frozen_and_adapters
@@ -56,6 +57,8 @@ def test_unfrozen_parameters_without_an_adapter():
     ({"adapter": "lora"}, "adapter: lora names no weights to adapt; set lora_target_modules"),
     ({"adapter": "lora", "lora_target_linear": True, "lora_model_dir": "x"}, "lora_model_dir needs base_model"),
     ({"adapter": "lora", "lora_target_linear": True, "lora_dropout": 1.5}, "lora_dropout\\) must be in"),
+    ({"adapter": "lora", "lora_target_linear": True, "lora_alpha": 0}, "alpha \\(lora_alpha\\) must be a finite number "
+                                                                      "other than 0, got 0.0: .* learn nothing"),
     ({"unfrozen_parameters": ["("]}, "unfrozen_parameters: '\\(' is not a regex"),
     ({"adapter": "lora", "lora_target_linear": True, "peft": {"loftq": True}}, "peft: loftq is not supported: peft's own options here are loftq_config"),
 ])
@@ -108,3 +111,23 @@ def test_another_architectures_linear_names_are_warned_about_and_the_others_adap
         only = TrainConfig.from_dict({"adapter": "lora", "lora_target_modules": names})
         with pytest.raises(ConfigError, match="match no parameter"):
             frozen_and_adapters(only, only.lora_config(), llama.loss, llama.init(CFG))
+
+
+@pytest.mark.parametrize("lora", [{"lora_r": 8}, {"lora_alpha": 16, "lora_dropout": 0.0},
+                                  {"lora_target_modules": ["q_proj", "v_proj"]}, {"lora_target_linear": True}])
+def test_lora_keys_at_their_defaults_without_adapter_are_refused_on_the_command_line(tmp_path, capsys, lora):
+    """``lora_r: 8`` (the default rank) without ``adapter:`` used to train the whole model, the
+    LoRA keys ignored: a key written in the config counts even at its default value. A saved
+    config (``adapter: null`` beside every LoRA key) and ``false`` / blank values still load."""
+    from functional_pp import cli
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"model": {"preset": "tiny"}, "max_steps": 1, **lora}))
+    for command in ("validate", "train"):
+        assert cli.main([command, str(path)]) == 2
+        err = capsys.readouterr().err
+        assert f"{', '.join(lora)} {'is' if len(lora) == 1 else 'are'} set but adapter is not: add adapter: lora" in err
+        assert "or remove the LoRA keys for full fine-tuning" in err
+    full = TrainConfig.from_dict({"model": {"preset": "tiny"}})
+    assert full.lora_config() is None and TrainConfig.from_dict(full.to_dict()).lora_config() is None
+    TrainConfig.from_dict({"lora_target_linear": False, "lora_model_dir": None, "lora_r": None})
+    assert TrainConfig.from_dict({"adapter": "lora", **lora, "lora_target_linear": True}).lora_config().r == 8

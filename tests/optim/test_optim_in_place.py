@@ -113,7 +113,8 @@ def test_in_place_step_declines_what_the_fused_kernel_cannot_take_and_touches_no
     state = opt.init(params)
     before = optree.tree_map(torch.clone, (params, state))
     grads = {"w": torch.randn(3, 2), "n": torch.zeros(3)}
-    assert optim.in_place_step(opt)(grads, state, params, skip=torch.tensor(False), grad_norm=torch.tensor(1.0)) is None
+    assert optim.in_place_step(opt)(grads, state, params, skip=torch.tensor(False),
+                                   grad_norm=torch.tensor(1.0)) is optim.DECLINED
     for x, y in zip(optree.tree_leaves((params, state)), optree.tree_leaves(before)):
         assert torch.equal(x, y)
 

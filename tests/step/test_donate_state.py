@@ -4,6 +4,7 @@ state into the state passed in; other eager steps keep theirs in the buffers the
 (docs/memory.md "Donated state"); results equal the out-of-place step's, on one device, on
 simulated devices and on gloo processes."""
 import functools
+import re
 
 import pytest
 import torch
@@ -123,3 +124,63 @@ def test_donated_fsdp_step_on_gloo_processes_equals_simulation():
     real = _train(True, *FSDP, processes=True, compile="aot_eager")
     _assert_same(real, _train(False, *FSDP, compile="aot_eager"))
     assert all(r[3] for r in real)           # compiled: written into the state passed in
+
+
+def _sgd_in_place(returns, **keywords):
+    """``optim.sgd(lr)`` declared with a user's own in-place step (``p -= lr * g`` where not
+    skipped) that returns ``returns``: a function of the step's ``skip``."""
+    lr, calls = 3e-2, []
+    plain = fpp.optim.sgd(lr)
+
+    def step(grads, state, params, *, skip, grad_norm, **extra):
+        calls.append(sorted(extra))
+        for p, g in zip(tree_leaves(params), tree_leaves(grads)):
+            p.copy_(torch.where(skip, p, p + g * -lr))
+        return returns(skip)
+    if keywords.get("no_extras"):        # a step that takes only the two keywords it needs
+        def short(grads, state, params, *, skip, grad_norm):
+            return step(grads, state, params, skip=skip, grad_norm=grad_norm)
+        return fpp.optim.GradientTransformation(plain.init, plain.update, in_place=short), calls
+    return fpp.optim.GradientTransformation(plain.init, plain.update, in_place=step), calls
+
+
+@pytest.mark.parametrize("returns", [lambda skip: None, lambda skip: False, lambda skip: torch.zeros_like(skip)],
+                         ids=["None", "False", "held tensor"])
+def test_a_users_in_place_step_that_returns_none_is_an_update_written(returns):
+    """An in-place step returning None (as ``Callable[..., None]`` hinted) failed the step with
+    ``TypeError: unsupported operand type(s) for |: 'Tensor' and 'NoneType'``; None now means
+    "written, not held", as a held flag of False does. The steps equal the step without
+    donation, with a NaN step skipped in both."""
+    opt, calls = _sgd_in_place(returns)
+    donated = _train(True, opt=lambda: opt, loss_fn=nan_on_second_call(LOSS))
+    kept = _train(False, opt=lambda: _sgd_in_place(returns)[0], loss_fn=nan_on_second_call(LOSS))
+    assert donated[0][1] == [0, 1, 0] and len(calls) == 3      # the user's step ran every step
+    assert calls[0] == ["leaves", "norm_reducer", "params_finite"]
+    _assert_same(donated, kept, exact=False)
+
+
+def test_an_in_place_step_may_decline_take_fewer_keywords_and_is_refused_when_it_returns_another_thing():
+    """``optim.DECLINED`` (touched nothing) makes the update in new buffers; a step that takes only
+    ``skip`` and ``grad_norm`` is called with those; a step that returns anything else, or takes
+    no ``skip``, is refused naming the contract."""
+    plain, calls = fpp.optim.sgd(3e-2), []
+    kept = _train(False, opt=lambda: plain)
+
+    def declines(grads, state, params, *, skip, grad_norm, **extra):   # (nothing written)
+        calls.append(skip)
+        return fpp.optim.DECLINED
+    declined = fpp.optim.GradientTransformation(plain.init, plain.update, in_place=declines)
+    _assert_same(_train(True, opt=lambda: declined), kept, exact=True)
+    assert len(calls) == 3
+    short, calls = _sgd_in_place(lambda skip: None, no_extras=True)
+    _assert_same(_train(True, opt=lambda: short), kept, exact=False)
+    assert calls == [[], [], []]
+    wrong, _ = _sgd_in_place(lambda skip: [skip])
+    with pytest.raises(fpp.DeviceError) as info:
+        _train(True, opt=lambda: wrong)
+    assert type(info.value.original) is TypeError
+    assert re.search(r"in-place step \(.*step\) returned list \[tensor\(False\)\]; it returns None where it wrote "
+                     r"the update, a 0-dim bool tensor 'held'", str(info.value.original))
+    no_skip = fpp.optim.GradientTransformation(plain.init, plain.update, in_place=lambda grads, state, params: None)
+    with pytest.raises(TypeError, match=r"takes no skip or grad_norm keyword: it is called step\(grads, state, params"):
+        fpp.train_step(LOSS, no_skip, donate_state=True)
