@@ -242,10 +242,11 @@ def test_rules_for_names_the_model_lacks_are_accepted(rules):
     (lambda: fpp.Rules(mlp=[["tp"]]), TypeError, r"the rule for dim 'mlp' must be a mesh axis name.*got \[\['tp'\]\]"),
     (lambda: fpp.param((4, 4), "hidden hidden"), ValueError, r"dimension name 'hidden' is given twice"),
     (lambda: fpp.param((4, -1), "hidden mlp"), ValueError, r"every size must be a number >= 0, got -1"),
+    (lambda: fpp.param((4, 64 / 3), "hidden mlp"), ValueError, r"every size must be a whole number, got 21.33"),
     (lambda: fpp.train_step(LOSS, fpp.optim.adamw(1e-3), mesh=fpp.Mesh(tpp=2), rules=llama.default_rules()), ValueError,
      r"train_step: mesh axis 'tpp' \(size 2\) is named by no rule, while 'tp'.* has size 1: did you mean Mesh\(tp=2\)"),
 ], ids=["launch mesh int", "optimizer str", "rules dict", "rule int", "rule nested list", "param dims twice",
-        "param negative", "mesh axis tpp"])
+        "param negative", "param fractional (was truncated)", "mesh axis tpp"])
 def test_bad_api_arguments_are_refused_where_they_are_given(call, error, words):
     """Each of these failed later (inside the first step or ``init``) with an AttributeError,
     ``'int' object is not iterable``, a torch shape error, or ran with nothing split (``tpp``)."""

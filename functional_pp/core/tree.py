@@ -68,7 +68,19 @@ def param(shape: Sequence[int], dims: Sequence[str] | str | None = None, init: s
         dims = tuple(dims.split())
     if init not in ("normal", "zeros", "ones", "uniform", "constant"):
         raise ValueError(f"unknown init {init!r}; use normal, zeros, ones, uniform or constant (every entry ``scale``)")
-    return Param(tuple(int(s) for s in shape), tuple(dims), init, float(scale), dtype)
+    return Param(tuple(_size(s, shape, dims) for s in shape), tuple(dims), init, float(scale), dtype)
+
+
+def _size(n: Any, shape: Sequence[Any], dims: Sequence[str]) -> Any:
+    """A declared size as an int; a fractional one (``hidden / 3``) is refused, not truncated.
+    Other values pass through for :class:`Param` to refuse by name."""
+    if isinstance(n, float) and not n.is_integer():
+        raise ValueError(f"param of shape {tuple(shape)} with dimensions {tuple(dims)}: every size must be a whole "
+                         f"number, got {n!r} (int(...) would have truncated it; e.g. hidden // 3)")
+    try:
+        return int(n) if not isinstance(n, bool) else n
+    except (TypeError, ValueError):
+        return n
 
 
 def path_str(path: Sequence[Any]) -> str:
