@@ -263,6 +263,15 @@ def test_a_loss_function_returning_a_tuple_is_named():
     assert "train_step: loss_fn(params, batch) returned a tuple; it must return the loss alone" in str(info.value)
 
 
+def test_a_batch_without_the_key_the_loss_reads_names_the_batchs_keys():
+    """The loss's own ``KeyError: 'labels'`` said neither where nor what the batch holds."""
+    batch = {k: v for k, v in BATCH.items() if k != "labels"}
+    with pytest.raises(fpp.DeviceError) as info:
+        run_steps(fpp.Mesh(), fpp.Rules(), [batch])
+    assert type(info.value.original) is KeyError
+    assert f"loss_fn read 'labels', which the batch does not have: the batch has {sorted(batch)}" in str(info.value)
+
+
 @pytest.mark.parametrize("part", ["opt_state", "params"])
 def test_a_state_of_another_parameter_tree_is_named_not_a_torch_shape_error(part):
     """An optimizer state (or parameters) from another model size failed inside torch with "The

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from contextlib import nullcontext
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -125,7 +125,7 @@ class PlainDeviceStep:
             blocks = [x.data for x in tree_leaves(named_params)] if keep_ties_apart else ()
             with step_values.collecting() as found, param_uses.counting(learning) as uses, acts, \
                     param_uses.declaring() as declared:
-                loss_named = settle(_loss_value(s.loss_fn(named_params, named_batch)))
+                loss_named = settle(_loss_value(call_loss(s.loss_fn, named_params, named_batch)))
             tied_leaves |= param_uses.declared_positions(declared, blocks)
             blocks = declared = None
             if learning:                    # parameters gathered at several sites: tied from now on
@@ -246,3 +246,16 @@ def _loss_value(out: Any) -> Any:
                         f"loss alone, a named scalar (e.g. ops.cross_entropy(logits, labels), or ops.mean(x, "
                         f"'batch seq') of per-token losses); auxiliary outputs are not returned with it")
     return out
+
+
+def call_loss(loss_fn: Callable[..., Any], params: Any, batch: dict) -> Any:
+    """``loss_fn(params, batch)``; a ``KeyError`` for a key the batch does not have (a loss reading
+    ``batch["labels"]`` of a batch built without them) is raised again naming the batch's keys."""
+    try:
+        return loss_fn(params, batch)
+    except KeyError as exc:
+        key = exc.args[0] if len(exc.args) == 1 else None
+        if isinstance(key, str) and key not in batch and isinstance(batch, dict):
+            raise KeyError(f"loss_fn read {key!r}, which the batch does not have: the batch has {sorted(batch)} "
+                           f"(add {key!r} to every batch the step gets, or read one of those)") from exc
+        raise

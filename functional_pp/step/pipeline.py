@@ -48,7 +48,7 @@ from functional_pp.parallel.pipeline.stage import StageOutput, StageRun, running
 from functional_pp.parallel.pipeline.timing import Timeline, simulate
 from functional_pp.parallel.raw_collectives import axis_index, raw_all_reduce, raw_permute
 from functional_pp.step.buffers import acc_dtype
-from functional_pp.step.device_step import finish_update, micro_weights, throughput_tokens
+from functional_pp.step.device_step import call_loss, finish_update, micro_weights, throughput_tokens
 from functional_pp.step.io import split_micro
 from functional_pp.step.train import COMPILED_STEPS_PER_PROCESS, PRECISIONS, TrainStep, step_options
 from functional_pp.step.result import DeviceStepResult
@@ -358,7 +358,7 @@ class PipelineSchedule:
         try:
             with running_stage(StageRun(k * per, (k + 1) * per - 1, x_in, cut=k < last, layers=per * (last + 1),
                                         passes=passes)):
-                out = self.step.loss_fn(params, named_batch)
+                out = call_loss(self.step.loss_fn, params, named_batch)
         except StageOutput as done:
             if not isinstance(done.value, tuple):
                 return done.value.data, True
