@@ -185,3 +185,12 @@ class Mesh:
 
     def __hash__(self) -> int:
         return hash(tuple(self.shape.items()))
+
+
+def require_mesh(mesh: object, where: str) -> None:
+    """Raise a TypeError naming ``where`` when ``mesh`` is not a :class:`Mesh` (an int of devices,
+    a dict of axis sizes), with the Mesh to write instead."""
+    if not isinstance(mesh, Mesh):
+        n = mesh if isinstance(mesh, int) and not isinstance(mesh, bool) else 2
+        raise TypeError(f"{where}: mesh must be a functional_pp.Mesh, got {type(mesh).__name__} {mesh!r} "
+                        f"(e.g. fpp.Mesh(dp_shard={n}))")

@@ -16,7 +16,7 @@ import torch
 
 from functional_pp._torch import (compile_cache_limits, compile_despite_peers_fx_tracing,
                                   dynamo_settings_are_thread_local, reset_compile_workers_after_fork)
-from functional_pp.core.mesh import Mesh
+from functional_pp.core.mesh import Mesh, require_mesh
 from functional_pp.core.runtime import DeviceContext, current_context, set_process_context, thread_context
 from functional_pp.devices.fork_quiesce import QUIESCE_LIMIT, quiesce_before_fork
 from functional_pp.devices.process_watch import (DEFAULT_PROCESS_TIMEOUT, explain_comm_failure, is_comm_failure,
@@ -58,11 +58,7 @@ def launch(fn: Callable[[], Any], mesh: Mesh, *, simulate: bool | str | None = N
     once), real processes pass it to the process group (default 600) and name the ranks
     that did not take part (docs/bad_inputs.md §4).
     """
-    if not isinstance(mesh, Mesh):
-        raise TypeError(f"launch(fn, mesh): mesh must be a functional_pp.Mesh, got {type(mesh).__name__} {mesh!r} "
-                        f"(e.g. fpp.Mesh(dp_shard={mesh}) for {mesh} devices)" if isinstance(mesh, int) and
-                        not isinstance(mesh, bool) else f"launch(fn, mesh): mesh must be a functional_pp.Mesh, got "
-                        f"{type(mesh).__name__} {mesh!r} (e.g. fpp.Mesh(dp_shard=2))")
+    require_mesh(mesh, "launch(fn, mesh)")
     if not callable(fn):
         raise TypeError(f"launch(fn, mesh): fn must be a function run on every device, got {type(fn).__name__}")
     if timeout is not None and not timeout > 0:

@@ -125,7 +125,7 @@ class PlainDeviceStep:
             blocks = [x.data for x in tree_leaves(named_params)] if keep_ties_apart else ()
             with step_values.collecting() as found, param_uses.counting(learning) as uses, acts, \
                     param_uses.declaring() as declared:
-                loss_named = settle(_loss_value(call_loss(s.loss_fn, named_params, named_batch)))
+                loss_named = settle(call_loss(s.loss_fn, named_params, named_batch))
             tied_leaves |= param_uses.declared_positions(declared, blocks)
             blocks = declared = None
             if learning:                    # parameters gathered at several sites: tied from now on
@@ -238,24 +238,21 @@ def _differentiable(x, seed, requires):
         return differentiable(x, seed, requires)
 
 
-def _loss_value(out: Any) -> Any:
-    """The loss function's result, refused naming the contract when it is a tuple, a mapping or a
-    Python number (settle's own message named neither the loss function nor what it returns)."""
-    if isinstance(out, (tuple, list, dict, int, float)):
-        raise TypeError(f"train_step: loss_fn(params, batch) returned a {type(out).__name__}; it must return the "
-                        f"loss alone, a named scalar (e.g. ops.cross_entropy(logits, labels), or ops.mean(x, "
-                        f"'batch seq') of per-token losses); auxiliary outputs are not returned with it")
-    return out
-
-
-def call_loss(loss_fn: Callable[..., Any], params: Any, batch: dict) -> Any:
-    """``loss_fn(params, batch)``; a ``KeyError`` for a key the batch does not have (a loss reading
-    ``batch["labels"]`` of a batch built without them) is raised again naming the batch's keys."""
+def call_loss(loss_fn: Callable[..., Any], params: Any, batch: dict, where: str = "train_step") -> Any:
+    """``loss_fn(params, batch)``, its mistakes named: a ``KeyError`` for a key the batch does not
+    have (a loss reading ``batch["labels"]`` of a batch built without them) is raised again naming
+    the batch's keys; a tuple, mapping or Python number returned is refused naming the contract
+    (settle's own message named neither the loss function nor what it returns)."""
     try:
-        return loss_fn(params, batch)
+        out = loss_fn(params, batch)
     except KeyError as exc:
         key = exc.args[0] if len(exc.args) == 1 else None
-        if isinstance(key, str) and key not in batch and isinstance(batch, dict):
+        if isinstance(key, str) and isinstance(batch, dict) and key not in batch:
             raise KeyError(f"loss_fn read {key!r}, which the batch does not have: the batch has {sorted(batch)} "
                            f"(add {key!r} to every batch the step gets, or read one of those)") from exc
         raise
+    if isinstance(out, (tuple, list, dict, int, float)):
+        raise TypeError(f"{where}: loss_fn(params, batch) returned a {type(out).__name__}; it must return the "
+                        f"loss alone, a named scalar (e.g. ops.cross_entropy(logits, labels), or ops.mean(x, "
+                        f"'batch seq') of per-token losses); auxiliary outputs are not returned with it")
+    return out

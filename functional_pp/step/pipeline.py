@@ -358,7 +358,7 @@ class PipelineSchedule:
         try:
             with running_stage(StageRun(k * per, (k + 1) * per - 1, x_in, cut=k < last, layers=per * (last + 1),
                                         passes=passes)):
-                out = call_loss(self.step.loss_fn, params, named_batch)
+                out = call_loss(self.step.loss_fn, params, named_batch, "pipeline_step")
         except StageOutput as done:
             if not isinstance(done.value, tuple):
                 return done.value.data, True

@@ -22,7 +22,7 @@ from functional_pp.parallel.step_backend import step_backend
 from functional_pp.compile.layer_compile import compiled_layers, split_mode
 from functional_pp.compile.recompute import reset_region_ids
 from functional_pp.core.layout import Rules
-from functional_pp.core.mesh import Mesh
+from functional_pp.core.mesh import Mesh, require_mesh
 from functional_pp.core.policy import Policy
 from functional_pp.core.runtime import current_context, current_policy, new_per_thread, use_policy
 from functional_pp.core.tree import leaves_with_paths, tree_leaves, tree_unflatten
@@ -382,9 +382,8 @@ def check_step_arguments(optimizer: Any, mesh: Any, rules: Any, where: str) -> N
     if not (isinstance(optimizer, tuple) and len(optimizer) == 2 and all(callable(f) for f in optimizer)):
         raise TypeError(f"{where}: optimizer must be an (init, update) pair such as functional_pp.optim.adamw(3e-4) "
                         f"(a GradientTransformation), got {type(optimizer).__name__} {optimizer!r}"[:400])
-    if mesh is not None and not isinstance(mesh, Mesh):
-        raise TypeError(f"{where}: mesh must be a functional_pp.Mesh (e.g. fpp.Mesh(dp_shard=2)), got "
-                        f"{type(mesh).__name__} {mesh!r}")
+    if mesh is not None:
+        require_mesh(mesh, where)
     if rules is not None and not isinstance(rules, Rules):
         hint = f"fpp.Rules({dict(rules)!r})" if isinstance(rules, dict) else "fpp.Rules(mlp='tp', ...)"
         raise TypeError(f"{where}: rules must be a functional_pp.Rules, got {type(rules).__name__} {rules!r}; "
