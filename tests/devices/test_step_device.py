@@ -90,3 +90,39 @@ def test_a_step_touches_no_other_device(layout, metrics, monkeypatch):
 def test_a_batched_step_touches_no_other_device(layout):
     for rank, steps in enumerate(_steps(layout, "deferred", simulate="batched")):
         assert steps == [[], []], f"device {rank}: ops on another device per step: {steps}"
+
+
+def _meta(state) -> list:
+    """What dynamo guards of each state tensor (and the tree's structure with it)."""
+    leaves, spec = optree.tree_flatten(state, none_is_leaf=True)
+    return [str(spec)] + [(str(v.device), v.dtype, tuple(v.shape), v.stride(), v.requires_grad)
+                          if isinstance(v, torch.Tensor) else type(v).__name__ for v in leaves]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_state_a_step_returns_looks_like_the_state_it_took(layout, precision):
+    """A compiled step's guards are on its inputs' devices, dtypes, shapes and strides: a state
+    that comes back from a step different in any of them (a counter made on the host, a moment
+    in another dtype, a parameter with other strides) makes the second step recompile, as the
+    first GPU run's did (19 s at its second step). Checked eagerly on ``meta``: the state
+    before step 1, after it and after step 2 are alike, leaf by leaf."""
+    mesh_kw, rules, options = LAYOUTS[layout]
+    mesh = fpp.Mesh(**mesh_kw)
+    opt = fpp.optim.adamw(3e-3, weight_decay=0.1, clip_norm=1.0)
+    step = fpp.train_step(functools.partial(llama.loss, cfg=CFG), opt, mesh=mesh, rules=rules,
+                          metrics="deferred", donate_state=True, precision=precision)
+
+    def device():
+        state = step.init(fpp.init(llama.init, CFG, torch.float32, mesh=mesh, rules=rules, seed=0, device="meta"))
+        seen = [_meta(state)]
+        for s in range(2):
+            batch = {k: v.to("meta") for k, v in make_batch(CFG, batch=4, seq=16, seed=s).items()}
+            with fpp.configure(**options), fpp.use_rules(rules):
+                state, _ = step(state, batch)
+            seen.append(_meta(state))
+        return seen
+    for rank, (before, *after) in enumerate(fpp.launch(device, mesh)):
+        for n, seen in enumerate(after, 1):
+            diff = [(i, a, b) for i, (a, b) in enumerate(zip(before, seen)) if a != b]
+            assert len(before) == len(seen) and not diff, f"device {rank}, after step {n}: {diff[:4]}"
