@@ -143,26 +143,64 @@ def start_side(make, batch, warmup: int, device: str) -> tuple[object, dict]:
     return runner, {"first_step_s": first, "losses": losses[:3], "peak_memory_bytes": peak}
 
 
-def kernel_profile(runner, batch, device: str, top: int = 8) -> dict:
+def kernel_profile(runner, batch, device: str, top: int = 8, gaps: int = 5) -> dict:
     """One step under torch.profiler: the GPU kernels (and copies) it launched, their summed
-    time and the ``top`` kernels by time; on CPU the aten ops run (the CPU proxy)."""
+    time and the ``top`` kernels by time; on CPU the aten ops run (the CPU proxy). With them the
+    step's timeline: its wall time, the time the device was busy (the union of the kernels'
+    intervals), the idle rest, and the ``gaps`` longest idle stretches with the kernels on
+    either side and the host ops running meanwhile (what the GPU waited for: a sync, the
+    host's launching, a copy)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
         runner.step(batch)
+        wall = time.perf_counter() - t0
+    every = list(prof.events())
     if device == "cuda":
-        events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+        events = [e for e in every if e.device_type == DeviceType.CUDA]
     else:
-        events = [e for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None]
+        events = [e for e in every if e.name.startswith("aten::") and e.cpu_parent is None]
     by_name: dict = {}
     for e in events:
         n, t = by_name.get(e.name, (0, 0.0))
         by_name[e.name] = (n + 1, t + e.time_range.elapsed_us())
     total = sum(t for _, t in by_name.values())
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
-    return {"kernels": len(events), "kernel_ms": total / 1e3,
+    counted = {id(e) for e in events}
+    host = [e for e in every if e.device_type == DeviceType.CPU and id(e) not in counted]
+    return {"kernels": len(events), "kernel_ms": total / 1e3, "wall_ms": wall * 1e3,
+            **timeline(events, host, gaps),
             "top": [{"name": n[:90], "count": c, "ms": t / 1e3} for n, (c, t) in ranked]}
+
+
+def timeline(events, host, gaps: int) -> dict:
+    """The device's busy time (the union of ``events``' intervals), its span from the first
+    start to the last end, and the ``gaps`` longest idle stretches inside that span: where
+    (ms from the first start), how long, the events before and after, and the ``host`` events
+    that overlap the stretch most (the innermost first among those covering it alike)."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events)
+    if not spans:
+        return {"busy_ms": 0.0, "span_ms": 0.0, "gaps": []}
+    busy, holes = 0.0, []
+    start, end, last = spans[0][0], spans[0][1], spans[0][2]
+    for s, e, name in spans[1:]:
+        if s > end:
+            holes.append((s - end, end, s, last, name))
+            busy += end - start
+            start = s
+        if e >= end:
+            end, last = e, name
+    busy += end - start
+    out = []
+    for length, a, b, before, after in sorted(holes, reverse=True)[:gaps]:
+        overlap = sorted((-(min(b, h.time_range.end) - max(a, h.time_range.start)), h.time_range.elapsed_us(), h.name)
+                         for h in host if h.time_range.start < b and h.time_range.end > a)
+        names = list(dict.fromkeys(n[:60] for _, _, n in overlap))[:3]
+        out.append({"at_ms": (a - spans[0][0]) / 1e3, "ms": length / 1e3, "previous": before[:60],
+                    "next": after[:60], "host": names})
+    return {"busy_ms": busy / 1e3, "span_ms": (end - spans[0][0]) / 1e3, "gaps": out}
 
 
 def time_interleaved(runners: dict, batch, steps: int) -> dict:
@@ -230,17 +268,20 @@ def side_makers(cfg, args, seq: int, eager: bool) -> dict:
     return makers
 
 
-def run_row(name: str, args, peak: float, spec) -> dict:
+def run_row(name: str, args, peak: float, spec, out: dict | None = None, save=lambda: None) -> dict:
+    """One row into ``out``: each side built, profiled and ``save()``d as it finishes (a run
+    stopped by its time limit keeps the sides it measured), then the sides timed interleaved."""
     device, row = args.device, ROWS[name]
+    out = {} if out is None else out
     cfg = model_config(name, args)
     bsz, seq = (2, 32) if args.smoke else (row["batch"], row["seq"])
     batch = make_batch(cfg, bsz, seq, device)
     tokens = bsz * seq
     flops = llama.flops_per_token(cfg, seq)
-    out = {"model": {"hidden": cfg.hidden, "layers": cfg.layers, "heads": cfg.heads, "kv_heads": cfg.kv_heads,
-                     "mlp": cfg.mlp, "vocab": cfg.vocab, "tied": cfg.tie_embeddings,
-                     "params": fpp.count_params(llama.init(cfg))},
-           "batch": bsz, "seq": seq, "tokens_per_step": tokens, "flops_per_token": flops}
+    out.update({"model": {"hidden": cfg.hidden, "layers": cfg.layers, "heads": cfg.heads, "kv_heads": cfg.kv_heads,
+                          "mlp": cfg.mlp, "vocab": cfg.vocab, "tied": cfg.tie_embeddings,
+                          "params": fpp.count_params(llama.init(cfg))},
+                "batch": bsz, "seq": seq, "tokens_per_step": tokens, "flops_per_token": flops})
     makers = side_makers(cfg, args, seq, row["eager"])
     runners = {}
     for side, make in makers.items():
@@ -254,6 +295,7 @@ def run_row(name: str, args, peak: float, spec) -> dict:
                 runners.pop(side, None)
                 gc.collect()
                 torch.cuda.empty_cache()
+                save()
                 continue
         else:
             runners[side], out[side] = start_side(make, batch, args.warmup, device)
@@ -261,6 +303,7 @@ def run_row(name: str, args, peak: float, spec) -> dict:
               f"{(out[side]['peak_memory_bytes'] or 0) / 2**30:.2f} GiB", file=sys.stderr, flush=True)
         out[side]["profile"] = kernel_profile(runners[side], batch, device)
         gc.collect()
+        save()
     if "functional" not in runners or "plain" not in runners:
         return out
     f, p = out["functional"], out["plain"]
@@ -306,7 +349,8 @@ def run(args) -> dict:
     _save(out, args)
     for name in args.models:
         t0 = time.perf_counter()
-        out["rows"][name] = run_row(name, args, peak, spec)
+        out["rows"][name] = {}
+        run_row(name, args, peak, spec, out["rows"][name], lambda: _save(out, args))
         out["rows"][name]["row_seconds"] = time.perf_counter() - t0
         _save(out, args)
     return out

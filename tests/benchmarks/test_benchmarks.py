@@ -42,6 +42,7 @@ def test_gpu_benchmark_smoke_prints_one_consistent_json_line():
             assert r["mfu_of_spec_peak"] is None
             prof = r["profile"]                                          # one step's aten ops on CPU
             assert prof["kernels"] >= 1 and prof["kernel_ms"] >= 0 and 1 <= len(prof["top"]) <= 8
+            assert 0 < prof["busy_ms"] <= prof["span_ms"] and prof["wall_ms"] > 0 and len(prof["gaps"]) <= 5
         assert row["tokens_per_s_ratio"] == pytest.approx(
             row["functional"]["tokens_per_s"] / row["plain"]["tokens_per_s"])
 
@@ -72,6 +73,47 @@ def test_gpu_benchmark_times_a_chunked_loss_side_when_asked(monkeypatch):
     assert built == [(cfg.loss_chunk_bytes, "aot_eager", "step"), (4096, "aot_eager", "step")]
     with pytest.raises(SystemExit):
         gpu.parse_args(["--smoke", "--loss-chunk-bytes", "-1"])
+
+
+class _Event:
+    def __init__(self, name, start, end):
+        self.name, self.time_range = name, type("Range", (), {"start": start, "end": end,
+                                                             "elapsed_us": lambda r: r.end - r.start})()
+
+
+def test_gpu_benchmark_timeline_is_the_union_of_kernels_and_names_what_the_host_did_in_a_gap():
+    """The device's busy time is the union of its kernels' intervals (overlapping kernels on
+    two streams count once); the longest idle stretches come first, each with the kernels on
+    either side and the innermost host ops covering it (a sync inside ``item``)."""
+    kernels = [_Event("gemm", 0, 10), _Event("nccl", 5, 12), _Event("cast", 6, 8), _Event("add", 20, 21), _Event("norm", 51, 60)]
+    host = [_Event("aten::item", 20, 52), _Event("cudaStreamSynchronize", 21, 51.5), _Event("aten::mm", 0, 3)]
+    t = gpu.timeline(kernels, host, gaps=5)
+    assert t["busy_ms"] == pytest.approx((12 + 1 + 9) / 1e3) and t["span_ms"] == pytest.approx(60 / 1e3)
+    assert [(g["at_ms"] * 1e3, g["ms"] * 1e3, g["previous"], g["next"]) for g in t["gaps"]] == [
+        (pytest.approx(21), pytest.approx(30), "add", "norm"), (pytest.approx(12), pytest.approx(8), "nccl", "add")]
+    assert t["gaps"][0]["host"] == ["cudaStreamSynchronize", "aten::item"]
+    assert t["gaps"][1]["host"] == []
+    assert gpu.timeline([], host, 5) == {"busy_ms": 0.0, "span_ms": 0.0, "gaps": []}
+
+
+def test_gpu_benchmark_saves_each_side_as_it_finishes(monkeypatch, tmp_path):
+    """A lease that runs out mid-row keeps the sides already measured: ``--json`` is rewritten
+    after every side, not only after every row."""
+    saved = []
+
+    class Runner:
+        def step(self, batch):
+            return 1.0
+    monkeypatch.setattr(gpu, "start_side", lambda make, batch, warmup, device: (
+        Runner(), {"first_step_s": 0.0, "losses": [1.0], "peak_memory_bytes": None}))
+    monkeypatch.setattr(gpu, "kernel_profile", lambda runner, batch, device: {"kernels": 0})
+    args = gpu.parse_args(["--smoke", "--models", "1b", "--json", str(tmp_path / "out.json")])
+    out = {"rows": {"1b": {}}}
+    gpu.run_row("1b", args, 1.0, None, out["rows"]["1b"],
+                lambda: saved.append(sorted(k for k in out["rows"]["1b"] if k in gpu.side_makers(
+                    gpu.model_config("1b", args), args, 32, True))))
+    assert saved == [["functional"], ["functional", "plain"], ["functional", "functional_eager", "plain"]]
+    assert "tokens_per_s_ratio" in out["rows"]["1b"]
 
 
 class _NoInit:
