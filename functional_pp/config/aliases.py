@@ -158,12 +158,17 @@ UNSUPPORTED_PREFIXES: dict[str, str] = {
 
 _SAME_ATTENTION = ("attention is torch's scaled_dot_product_attention (its flash / memory-efficient "
                    "kernels on a GPU; ring attention under context parallelism): the same math")
-_LIGER = ("Liger's fused kernels compute the same math; here the head and cross-entropy are "
-          "already fused (chunked, the full logits never stored) and the rest are torch ops")
-_UNSLOTH = ("Unsloth's kernels compute the same math; here the head and cross-entropy are already fused "
-            "(chunked) and LoRA is computed by the named einsum")
+_LIGER = ("Liger's kernels compute the same math; the ops here are torch's (the head and cross-entropy over "
+          "token chunks with loss_chunks, which liger_fused_linear_cross_entropy turns on)")
+_UNSLOTH = ("Unsloth's kernels compute the same math; the ops here are torch's (the head and cross-entropy over "
+            "token chunks with loss_chunks) and LoRA is computed by the named einsum")
 _HUB_KERNELS = ("Hugging Face hub kernels (the kernels package) replace modules' forward with kernels of the "
-                "same math; kernels here are torch's, and the head and cross-entropy fused (chunked)")
+                "same math; kernels here are torch's (the head and cross-entropy over token chunks with loss_chunks)")
+#: Axolotl's fused / chunked head-and-loss keys: each turns loss_chunks on (the CutCrossEntropyPlugin
+#: too, whose cut_cross_entropy defaults to true); chunked_cross_entropy_num_chunks gives their number
+LOSS_CHUNK_KEYS = ("cut_cross_entropy", "liger_fused_linear_cross_entropy", "chunked_cross_entropy")
+CCE_PLUGIN = "axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin"
+DEFAULT_LOSS_CHUNKS = 8
 
 #: keys accepted without effect, each with the reason shown in the start-up summary
 NOT_USED: dict[str, str] = {
@@ -172,7 +177,11 @@ NOT_USED: dict[str, str] = {
     **{k: _SAME_ATTENTION for k in ("flash_attention", "sdp_attention", "xformers_attention",
                                     "flex_attention", "eager_attention", "flash_attn_fuse_qkv",
                                     "flash_attn_fuse_mlp")},
-    "flash_attn_cross_entropy": "the head and cross-entropy are already fused (chunked)",
+    "cut_cross_entropy_accum_c_fp32": "the head's gradient is summed over the token chunks in fp32 here anyway",
+    "cut_cross_entropy_c_grad_chunk_size": ("the head's gradient is one fp32 buffer summed over the token chunks "
+                                            "(loss_chunks); it is not split over the vocabulary"),
+    "flash_attn_cross_entropy": ("the cross-entropy here reduces the logits in row chunks (loss_chunks also "
+                                 "chunks the head: no full logits)"),
     "dpo_use_liger_kernel": "Liger's fused DPO loss computes the same math as TRL's (docs/preference.md)",
     "dpo_padding_free": ("TRL 1.16's DPOTrainer falls back to padded rows (padding-free DPO is 'temporarily "
                          "unavailable' there); here each side of a pair is one padded row: the same math"),
@@ -180,9 +189,7 @@ NOT_USED: dict[str, str] = {
     **{k: "LoRA is computed by the named einsum (base and adapter joined before the one TP collective): "
           "the same math" for k in ("lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel", "lora_embedding_kernel")},
     **{k: _LIGER for k in ("liger_rope", "liger_rms_norm", "liger_glu_activation", "liger_layer_norm",
-                           "liger_fused_linear_cross_entropy", "liger_cross_entropy", "liger_swiglu",
-                           "liger_rms_norm_gated", "cut_cross_entropy", "chunked_cross_entropy",
-                           "chunked_cross_entropy_num_chunks")},
+                           "liger_cross_entropy", "liger_swiglu", "liger_rms_norm_gated")},
     **{k: _UNSLOTH for k in ("unsloth_cross_entropy_loss", "unsloth_rms_norm", "unsloth_rope", "unsloth_lora_mlp",
                              "unsloth_lora_qkv", "unsloth_lora_o")},
     **{k: _MOE_KERNEL for k in ("use_scattermoe", "use_sonicmoe", "experts_implementation")},
@@ -196,7 +203,7 @@ NOT_USED: dict[str, str] = {
                                   "from the layouts",
     "group_by_length": "batches are packed windows, not grouped by length",
     "skip_prepare_dataset": "datasets are tokenized at start, as they are streamed",
-    "use_kernels": "kernels are torch's (and the fused chunked head + loss)",
+    "use_kernels": "kernels are torch's (the head and cross-entropy over token chunks with loss_chunks)",
     "wandb_run_id": "the W&B run id is chosen by wandb",
     "eval_batch_size": "held-out batches have the training batch's size",
     "save_only_model": "checkpoints hold the optimizer state too, for exact resumption",
@@ -237,8 +244,8 @@ ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3
 ACCEPTED_PLUGINS = {"axolotl.integrations.liger.LigerPlugin": _LIGER,
                     "axolotl.integrations.liger.plugin.LigerPlugin": _LIGER,
                     "axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin":
-                        "cut cross-entropy: the head and cross-entropy are already fused here "
-                        "(chunked, the full logits never stored)",
+                        "cut cross-entropy: its cut_cross_entropy (true unless set false) turns "
+                        "loss_chunks on",
                     "axolotl.integrations.kernels.KernelsPlugin": _HUB_KERNELS,
                     "axolotl.integrations.expert_parallel.ExpertParallelPlugin": _EP,
                     "axolotl.integrations.swanlab.SwanLabPlugin": "SwanLab logging is use_swanlab's sink"}
@@ -388,6 +395,36 @@ def _without_unused_lora_keys(d: dict, unused: list[str]) -> dict:
     return {k: v for k, v in d.items() if k not in given}
 
 
+def _loss_chunking(d: dict, issues: Issues, unused: list[str]) -> dict:
+    """Axolotl's fused or chunked head-and-loss keys (``LOSS_CHUNK_KEYS``, the CutCrossEntropyPlugin)
+    as ``loss_chunks``: the LM head and cross-entropy over that many chunks of each device's
+    tokens, the full logits never stored (``chunked_cross_entropy_num_chunks``, else 8). What they
+    ask for is the memory of the logits; the math is the same."""
+    plugins = d.get("plugins") if isinstance(d.get("plugins"), list) else [d.get("plugins")]
+    asked = [k for k in LOSS_CHUNK_KEYS if d.get(k) is True]
+    if CCE_PLUGIN in plugins and d.get("cut_cross_entropy") is None:
+        asked.append("the CutCrossEntropyPlugin")
+    n = d.get("chunked_cross_entropy_num_chunks")
+    rest = {k: v for k, v in d.items() if k not in LOSS_CHUNK_KEYS + ("chunked_cross_entropy_num_chunks",)}
+    for k in LOSS_CHUNK_KEYS:
+        if d.get(k) not in (None, True, False):
+            issues.add(f"{k} must be true or false, got {d[k]!r}")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        issues.add(f"chunked_cross_entropy_num_chunks must be a positive integer, got {n!r}")
+        return rest
+    if not asked:
+        if n is not None:
+            unused.append("chunked_cross_entropy_num_chunks (chunked_cross_entropy is off)")
+        return rest
+    if rest.get("loss_chunks") is not None or rest.get("loss_chunk_bytes") is not None:
+        unused.append(f"{', '.join(asked)} (loss_chunks / loss_chunk_bytes is given)")
+        return rest
+    chunks = n or DEFAULT_LOSS_CHUNKS
+    unused.append(f"{', '.join(asked)}: loss_chunks {chunks} (the LM head and cross-entropy over {chunks} chunks of "
+                  f"each device's tokens, the full logits never stored: the same math)")
+    return {**rest, "loss_chunks": chunks}
+
+
 def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
     """``(canonical mapping, notes on keys accepted without effect)``: aliases rewritten,
     unsupported keys (unless switched off) and contradicting duplicates recorded in ``issues``."""
@@ -396,6 +433,7 @@ def normalize(d: dict, issues: Issues) -> tuple[dict, list[str]]:
     unused: list[str] = []
     d = _without_unused_lora_keys(_batch_size_as_accumulation(d, issues), unused)
     d = _pretraining_as_datasets(d, issues, unused)
+    d = _loss_chunking(d, issues, unused)
     if d.get("tokenizer_use_mistral_common") is None and any(
             "magistral" in str(d.get(k) or "").lower() for k in ("base_model", "base_model_config", "tokenizer_config")):
         d = {**d, "tokenizer_use_mistral_common": True}         # Axolotl's check_tokenizer_use_mistral_common

@@ -710,6 +710,12 @@ def check_values(cfg: Any, issues: Issues | None = None) -> None:
     for k in ("saves_per_epoch", "evals_per_epoch"):
         if getattr(cfg, k) is not None and getattr(cfg, k) < 0:
             add(f"{k} must be >= 0 (0: none), got {getattr(cfg, k)}")
+    for k in ("loss_chunks", "loss_chunk_bytes"):
+        if getattr(cfg, k) is not None and getattr(cfg, k) < 1:
+            add(f"{k} must be >= 1 (or null: the whole logits), got {getattr(cfg, k)}")
+    if cfg.loss_chunks is not None and cfg.loss_chunk_bytes is not None:
+        add("give loss_chunks (the number of token chunks) or loss_chunk_bytes (bytes of fp32 logits per chunk), "
+            "not both")
     for k in ("global_batch_size", "num_epochs", "eval_steps", "num_processes"):
         if getattr(cfg, k) is not None and getattr(cfg, k) < 1:
             add(f"{k} must be >= 1, got {getattr(cfg, k)}")

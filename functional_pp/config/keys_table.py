@@ -29,6 +29,7 @@ def rows() -> list[tuple[str, int, str]]:
     """``(kind, how many, the keys or values)`` of each kind of key, read from the config's tables."""
     ours = [f.name for f in dataclasses.fields(TrainConfig)]
     mapped = [f"{key} -> {target}" for key, (target, _) in aliases.ALIASES.items()]
+    mapped += [f"{key} -> loss_chunks" for key in aliases.LOSS_CHUNK_KEYS + ("chunked_cross_entropy_num_chunks",)]
     values = [f"{key}: {value} -> {target}" for key, table in aliases.VALUE_ALIASES.items()
               for value, target in table.items()]
     plugins = list(aliases.ACCEPTED_PLUGINS) + [aliases.SPARSE_PLUGIN, aliases.DIFFUSION_PLUGIN]

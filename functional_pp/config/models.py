@@ -30,7 +30,7 @@ def model_config(cfg: Any) -> Any:
         if overrides:
             raise ConfigError("overrides_of_model_config (model_config) replaces keys of base_model's config.json; "
                               "without base_model give them in the model section (model: {preset: ..., KEY: ...})")
-        return _with_moe_options(cfg, cfg.model.build())
+        return _with_loss_chunks(cfg, _with_moe_options(cfg, cfg.model.build()))
     family = model_family(cfg)
     if family.hf_config_from_dict is None:
         raise ConfigError(f"base_model: model family {family.name!r} has no Hugging Face mapping; "
@@ -69,7 +69,33 @@ def model_config(cfg: Any) -> Any:
                           f"{cfg.base_model!r}'s config.json has model_type {getattr(model, 'model_type', None)!r}; "
                           f"remove model_type (the architecture is config.json's)")
     model = _with_linearized_experts(cfg, model)
-    return _with_score_head(cfg, _with_moe_options(cfg, _with_added_tokens(cfg, model)))
+    return _with_loss_chunks(cfg, _with_score_head(cfg, _with_moe_options(cfg, _with_added_tokens(cfg, model))))
+
+
+def _with_loss_chunks(cfg: Any, model: Any) -> Any:
+    """``model`` with the config's ``loss_chunks`` / ``loss_chunk_bytes`` (the LM head and
+    cross-entropy over token chunks). A model whose logits are soft-capped, scaled or biased keeps
+    the whole logits (the chunked loss has none of these), said in the start-up notes; a model
+    config without the option is refused by name."""
+    given = {k: getattr(cfg, k, None) for k in ("loss_chunks", "loss_chunk_bytes")}
+    given = {k: v for k, v in given.items() if v is not None}
+    if not given:
+        return model
+    key, value = next(iter(given.items()))
+    if not all(hasattr(model, k) for k in given):
+        raise ConfigError(f"{key}: the model's config ({type(model).__name__}) has no chunked LM head loss: "
+                          f"remove {key}")
+    why = [w for w, on in (("soft-capped (final_logit_softcapping)", getattr(model, "final_softcap", None)),
+                           ("scaled (logit_scale)", getattr(model, "logit_scale", 1) != 1),
+                           ("biased (an lm_head bias)", getattr(model, "lm_head_bias", False))) if on]
+    if why:
+        note = (f"{key}: {value} not applied: this model's logits are {' and '.join(why)}, which the chunked "
+                f"head loss does not compute; the whole logits are formed")
+        if note not in cfg.notes:
+            cfg.notes.append(note)
+        return model
+    other = {"loss_chunks": "loss_chunk_bytes", "loss_chunk_bytes": "loss_chunks"}[key]
+    return dataclasses.replace(model, **{key: value, other: None})
 
 
 AXOLOTL_CLASSES = {"MambaLMHeadModel": "mamba"}

@@ -127,6 +127,12 @@ class TrainConfig:
                                       "offload_params, FSDP2's CPUOffloadPolicy; docs/memory.md)")
     activation_offloading: bool = fld(False, "move the tensors saved for backward to pinned host memory "
                                              "in forward and back in backward (CUDA; docs/memory.md)")
+    loss_chunks: int | None = fld(None, "the LM head and cross-entropy over this many chunks of each device's "
+                                        "tokens, the full logits never stored (Axolotl's cut_cross_entropy, "
+                                        "liger_fused_linear_cross_entropy, chunked_cross_entropy: 8 or "
+                                        "chunked_cross_entropy_num_chunks); null: the whole logits (docs/memory.md)")
+    loss_chunk_bytes: int | None = fld(None, "the same over chunks of this many bytes of fp32 logits (instead of "
+                                             "loss_chunks)")
     compile: bool | str = fld(False, "torch.compile the step: true, or a backend name (alias "
                                      "torch_compile, torch_compile_backend)")
     on_nonfinite: Literal["skip", "raise"] = fld("skip", "a non-finite loss/gradient: skip the "

@@ -95,6 +95,8 @@ class Config:
     # the LM head + cross-entropy over chunks of this many bytes of fp32 logits in ``loss``
     # (ops.linear_cross_entropy); None or 0: the whole logits at once (docs/compile.md, "Measurements")
     loss_chunk_bytes: int | None = None
+    # ... or over this many chunks of each device's tokens (instead of loss_chunk_bytes)
+    loss_chunks: int | None = None
     # the Hugging Face architecture this decoder is: llama | mistral | qwen2 | qwen3 | phi3 |
     # gemma2 | gemma3_text (what export writes; models/llama_hf.py checks that the switches
     # below are that family's)
@@ -520,10 +522,18 @@ class Config:
                              f"router_topk_groups={self.router_topk_groups} be between 1 and router_groups")
         if self.router_group_score not in ("top2_sum", "max"):
             raise ValueError(f"router_group_score: {self.router_group_score!r} is not one of top2_sum, max")
-        if (self.final_softcap or self.logit_scale != 1 or self.lm_head_bias) and self.loss_chunk_bytes:
-            raise ValueError("final_softcap with loss_chunk_bytes (or logit_scale != 1 or lm_head_bias with it): "
-                             "the chunked head loss has no logit soft-capping, scale or bias; set loss_chunk_bytes "
-                             "to null")
+        for key in ("loss_chunk_bytes", "loss_chunks"):
+            v = getattr(self, key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise ValueError(f"{key} must be a non-negative integer or null, got {v!r}")
+        if self.loss_chunk_bytes and self.loss_chunks:
+            raise ValueError(f"loss_chunk_bytes={self.loss_chunk_bytes} and loss_chunks={self.loss_chunks}: "
+                             f"give one (bytes of fp32 logits per chunk, or the number of chunks)")
+        chunked = "loss_chunk_bytes" if self.loss_chunk_bytes else "loss_chunks" if self.loss_chunks else None
+        if (self.final_softcap or self.logit_scale != 1 or self.lm_head_bias) and chunked:
+            raise ValueError(f"final_softcap with {chunked} (or logit_scale != 1 or lm_head_bias with it): "
+                             f"the chunked head loss has no logit soft-capping, scale or bias; set {chunked} "
+                             f"to null")
         if not self.causal:
             self._check_bidirectional()
 
@@ -1469,17 +1479,18 @@ def _capped(logits: Named, cfg: Config, params: dict) -> Named:
 
 def loss(params: dict, batch: dict, cfg: Config, layer_fn=None) -> Named:
     """Mean next-token cross-entropy; ``batch`` holds named ``tokens`` and ``labels`` (and
-    ``segments`` for packed documents). With ``cfg.loss_chunk_bytes`` the head and the loss
-    run over chunks of tokens (``ops.linear_cross_entropy``), no full logits."""
+    ``segments`` for packed documents). With ``cfg.loss_chunk_bytes`` or ``cfg.loss_chunks``
+    the head and the loss run over chunks of tokens (``ops.linear_cross_entropy``), no full logits."""
     with moe.collect() if cfg.experts else contextlib.nullcontext([]) as stats:
         x, head = _trunk_and_head(params, batch["tokens"], cfg, layer_fn, batch.get("segments"),
                                   pixtral.image_inputs(batch))
     x, head = fake_quant.head_pair(x, head)         # (under QAT: the head is a linear too)
-    if not cfg.loss_chunk_bytes:
+    if not (cfg.loss_chunk_bytes or cfg.loss_chunks):
         logits = ops.einsum("batch seq hidden, hidden vocab -> batch seq vocab", x, head)
         out = ops.cross_entropy(_capped(logits, cfg, params), batch["labels"])
     else:
-        out = ops.linear_cross_entropy(x, head, batch["labels"], chunk_bytes=cfg.loss_chunk_bytes)
+        out = ops.linear_cross_entropy(x, head, batch["labels"], chunk_bytes=cfg.loss_chunk_bytes,
+                                       chunks=cfg.loss_chunks)
     extra = moe.router_losses(stats, cfg)       # the load-balancing loss (Switch, Mixtral), the z-loss
     return out if extra is None else out + extra
 

@@ -46,3 +46,44 @@ def test_what_changes_the_math_or_is_not_built_is_refused_by_name(d, message):
 def test_offload_keys_map_onto_the_memory_levers(d, params, activations, remat):
     cfg = TrainConfig.from_dict(d)
     assert (cfg.offload_params, cfg.activation_offloading, cfg.activation_checkpointing) == (params, activations, remat)
+
+
+@pytest.mark.parametrize("d, chunks", [
+    ({"cut_cross_entropy": True}, 8),
+    ({"liger_fused_linear_cross_entropy": True}, 8),
+    ({"chunked_cross_entropy": True, "chunked_cross_entropy_num_chunks": 4}, 4),
+    ({"plugins": ["axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin"]}, 8),   # true by default
+    ({"plugins": ["axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin"], "cut_cross_entropy": False}, None),
+    ({"chunked_cross_entropy_num_chunks": 4}, None),
+    ({"cut_cross_entropy": True, "loss_chunks": 2}, 2),
+    ({"loss_chunks": 3}, 3),
+])
+def test_fused_head_loss_keys_chunk_the_head_and_loss(d, chunks):
+    """Axolotl's cut cross-entropy, Liger's fused linear cross-entropy and chunked cross-entropy
+    ask for the memory of the logits: they turn ``loss_chunks`` on, and the model's loss runs
+    the head and cross-entropy over that many token chunks (they were accepted as "already
+    fused" while the whole logits were formed)."""
+    from functional_pp.config.models import model_config
+    cfg = TrainConfig.from_dict(d)
+    assert cfg.loss_chunks == chunks and model_config(cfg).loss_chunks == chunks
+    if chunks and len(d) == 1 and "loss_chunks" not in d:
+        assert any(f"loss_chunks {chunks}" in n for n in cfg.notes), cfg.notes
+
+
+def test_a_model_with_soft_capped_logits_keeps_the_whole_logits_and_says_so():
+    from functional_pp.config.models import model_config
+    cfg = TrainConfig.from_dict({"cut_cross_entropy": True, "model": {"preset": "tiny", "final_softcap": 30.0}})
+    model = model_config(cfg)
+    assert model.loss_chunks is None and model.final_softcap == 30.0
+    assert any("loss_chunks: 8 not applied" in n and "soft-capped" in n for n in cfg.notes), cfg.notes
+
+
+@pytest.mark.parametrize("d, message", [
+    ({"loss_chunks": 0}, "loss_chunks must be >= 1"),
+    ({"loss_chunks": 2, "loss_chunk_bytes": 1024}, "not both"),
+    ({"cut_cross_entropy": "yes"}, "cut_cross_entropy must be true or false"),
+    ({"chunked_cross_entropy": True, "chunked_cross_entropy_num_chunks": 0}, "must be a positive integer"),
+])
+def test_bad_loss_chunk_values_are_refused(d, message):
+    with pytest.raises(ConfigError, match=message):
+        TrainConfig.from_dict(d)

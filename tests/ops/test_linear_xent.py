@@ -246,3 +246,35 @@ def test_vocabulary_split_on_two_gloo_processes():
             grads = fpp.gather_tree(tree.tree_map(lambda p: p.grad, local), decls, rules)
         return loss.detach(), grads
     _assert_matches(fpp.launch(fn, mesh, processes=True, timeout=300), single_device(CFG, FULL, BATCH))
+
+
+@pytest.mark.parametrize("name", ["one_device", "tp_sp"])
+def test_llama_loss_over_a_number_of_chunks_matches_the_unchunked_single_device(name, monkeypatch):
+    """``Config.loss_chunks`` (the config's ``loss_chunks``, Axolotl's ``cut_cross_entropy``):
+    each device's tokens in that many chunks; the loss and every gradient equal the whole
+    logits' on one device, and the chunks are the ones asked for."""
+    from functional_pp.ops.xent import linear
+    seen = []
+    real = linear.chunk_rows
+    monkeypatch.setattr(linear, "chunk_rows", lambda n, v, b, c=None: seen.append((n, b, c)) or real(n, v, b, c))
+    ref = single_device(CFG, FULL, BATCH)
+    mesh_kw, rules = LAYOUTS[name]
+    counted = llama.Config.tiny(loss_chunks=3)
+    if not mesh_kw:
+        _assert_matches([single_device(counted, FULL, BATCH)], ref)
+    else:
+        _assert_matches(parallel(counted, FULL, BATCH, fpp.Mesh(**mesh_kw), rules), ref)
+    assert seen and all(c == 3 and b is None for _, b, c in seen)
+    assert real(128, 256, None, 3) == 43 and real(2, 256, None, 3) == 1 and real(128, 256, 1 << 30, 3) == 43
+
+
+def test_loss_chunks_are_checked():
+    x, w, labels = torch.randn(2, 4, 8), torch.randn(8, 16), torch.randint(0, 16, (2, 4))
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="chunks must be a positive integer"):
+            ops.linear_cross_entropy(fpp.named(x, "batch seq hidden"), fpp.named(w, "hidden vocab"),
+                                     fpp.named(labels, "batch seq"), chunks=bad)
+    with pytest.raises(ValueError, match="give one"):
+        llama.Config.tiny(loss_chunks=2, loss_chunk_bytes=1 << 20)
+    with pytest.raises(ValueError, match="final_softcap with loss_chunks"):
+        llama.Config.tiny(final_softcap=30.0, loss_chunks=2)

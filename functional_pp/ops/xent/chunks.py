@@ -16,8 +16,11 @@ from functional_pp._torch import is_tracing
 from functional_pp.compile.recompute import traced_as_backward
 
 
-def chunk_rows(n_rows: int, n_vocab: int, chunk_bytes: int) -> int:
-    """Rows per chunk so that one chunk of logits (fp32 counted) takes at most ``chunk_bytes`` (at least 1)."""
+def chunk_rows(n_rows: int, n_vocab: int, chunk_bytes: int | None, chunks: int | None = None) -> int:
+    """Rows per chunk: ``n_rows`` in ``chunks`` near-equal chunks when given, else so that one
+    chunk of logits (fp32 counted) takes at most ``chunk_bytes`` (at least 1 row)."""
+    if chunks:
+        return max(1, -(-n_rows // chunks))
     return max(1, min(n_rows, chunk_bytes // max(1, 4 * n_vocab)))
 
 

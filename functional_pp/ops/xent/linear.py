@@ -28,13 +28,14 @@ DEFAULT_CHUNK_BYTES = 16 << 20
 
 def linear_cross_entropy(hidden: Named, weight: Named, labels: Named, *, vocab: str | None = None,
                          contract: str | None = None, ignore_index: int = IGNORE_INDEX,
-                         chunk_bytes: int | None = DEFAULT_CHUNK_BYTES) -> Named:
+                         chunk_bytes: int | None = DEFAULT_CHUNK_BYTES, chunks: int | None = None) -> Named:
     """Mean token cross-entropy of the logits ``hidden @ weight`` (``contract`` summed, the
     ``vocab`` dimension of ``weight`` the classes) against ``labels``, computed ``chunk_bytes``
-    of fp32 logits at a time; equal to ``cross_entropy(einsum(...), labels)`` within fp
-    tolerance. ``chunk_bytes`` None or 0 computes exactly that unchunked form. By default
-    ``contract`` is the one dimension ``hidden`` and ``weight`` share and ``vocab`` the weight's
-    other one."""
+    of fp32 logits at a time, or with ``chunks`` in that many chunks of this device's tokens
+    (``chunk_bytes`` then unused); equal to ``cross_entropy(einsum(...), labels)`` within fp
+    tolerance. ``chunk_bytes`` None or 0 without ``chunks`` computes exactly that unchunked
+    form. By default ``contract`` is the one dimension ``hidden`` and ``weight`` share and
+    ``vocab`` the weight's other one."""
     require_named("linear_cross_entropy", hidden=hidden, weight=weight, labels=labels)
     if contract is None:
         contract = the_one_dim("linear_cross_entropy", "contract", [d for d in hidden.dims if d in weight.dims],
@@ -46,9 +47,12 @@ def linear_cross_entropy(hidden: Named, weight: Named, labels: Named, *, vocab: 
     if chunk_bytes is not None and (not isinstance(chunk_bytes, int) or chunk_bytes < 0):
         raise ValueError(f"linear_cross_entropy: chunk_bytes must be a non-negative integer (bytes of "
                          f"fp32 logits per chunk) or None, got {chunk_bytes!r}")
+    if chunks is not None and (not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1):
+        raise ValueError(f"linear_cross_entropy: chunks must be a positive integer (token chunks per "
+                         f"device) or None, got {chunks!r}")
     other = tuple(d for d in hidden.dims if d != contract)
     pattern = f"{' '.join(hidden.dims)}, {' '.join(weight.dims)} -> {' '.join(other)} {vocab}"
-    if not chunk_bytes or sorted(other) != sorted(labels.dims):
+    if not (chunk_bytes or chunks) or sorted(other) != sorted(labels.dims):
         # unchunked (and the loss' own message for mismatched labels)
         return cross_entropy(einsum(pattern, hidden, weight), labels, vocab, ignore_index)
     operands = [settle(hidden), settle(weight)]
@@ -74,7 +78,7 @@ def linear_cross_entropy(hidden: Named, weight: Named, labels: Named, *, vocab: 
     xd = x.data.movedim(x.dims.index(contract), -1)
     xd = xd.reshape(-1, xd.shape[-1])                       # rows in ``other`` order
     wd = w.data if w.dims.index(contract) == 0 else w.data.t()
-    rows = chunk_rows(xd.shape[0], wd.shape[1], chunk_bytes)
+    rows = chunk_rows(xd.shape[0], wd.shape[1], chunk_bytes, chunks)
     need_grad = torch.is_grad_enabled() and (xd.requires_grad or wd.requires_grad)
     tok_axes = tuple(a for a in mesh.axis_names if any(a in s for s in split_other))
     flat = lab.reshape(-1)
