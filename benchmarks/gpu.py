@@ -13,8 +13,9 @@ fp32 master weights, AdamW, donated state; ``--functional-compile per_layer`` co
 layer instead, as the first H200 run had to on torch 2.11); ``functional_eager`` the same step uncompiled (1B
 row only); ``plain`` the ``nn.Module`` of ``benchmarks/single_device.py`` with fp32
 parameters, ``torch.autocast(bf16)``, ``torch.compile`` of forward + loss and
-``torch.optim.AdamW(fused=True)``; with ``--loss-chunk-bytes N``, ``functional_chunked``: the
-compiled step with the LM head and loss over token chunks (``Config.loss_chunk_bytes``), the
+``torch.optim.AdamW(fused=True)``; with ``--loss-chunks N`` (or ``--loss-chunk-bytes N``),
+``functional_chunked``: the compiled step with the LM head and loss over N token chunks
+(``Config.loss_chunks``; or chunks of N bytes of fp32 logits, ``Config.loss_chunk_bytes``), the
 memory lever issue 38 names for 128k vocabularies. Same weights, same batch; the first-step losses must agree
 within 2e-2 (bf16) before anything is timed, and the functional step's first losses on the
 device must equal the same steps in fp32 on the CPU within 2e-2 (``reference``).
@@ -250,9 +251,10 @@ def reference_check(cfg, args) -> dict:
 
 def side_makers(cfg, args, seq: int, eager: bool) -> dict:
     """The row's sides, each a function building its runner: ``functional`` and ``plain``,
-    ``functional_eager`` where the row has it, and with ``--loss-chunk-bytes N``
-    ``functional_chunked``: the functional step with the LM head and loss over token chunks of N
-    bytes of fp32 logits (``Config.loss_chunk_bytes``; same compile as ``functional``)."""
+    ``functional_eager`` where the row has it, and with ``--loss-chunks N`` / ``--loss-chunk-bytes N``
+    ``functional_chunked``: the functional step with the LM head and loss over N token chunks, or
+    chunks of N bytes of fp32 logits (``Config.loss_chunks`` / ``loss_chunk_bytes``; same compile
+    as ``functional``)."""
     device = args.device
 
     def functional(c, backend, mode="step"):
@@ -262,9 +264,10 @@ def side_makers(cfg, args, seq: int, eager: bool) -> dict:
                                      device, seq)}
     if eager:
         makers["functional_eager"] = functional(cfg, None)
-    if args.loss_chunk_bytes:
-        makers["functional_chunked"] = functional(dataclasses.replace(cfg, loss_chunk_bytes=args.loss_chunk_bytes),
-                                                  args.compile_backend, args.functional_compile)
+    if args.loss_chunks or args.loss_chunk_bytes:
+        chunked = dataclasses.replace(cfg, loss_chunks=args.loss_chunks or None,
+                                      loss_chunk_bytes=args.loss_chunk_bytes or None)
+        makers["functional_chunked"] = functional(chunked, args.compile_backend, args.functional_compile)
     return makers
 
 
@@ -377,6 +380,9 @@ def parse_args(argv=None):
     ap.add_argument("--compile-backend", default=None, help="torch.compile backend (default inductor; smoke aot_eager)")
     ap.add_argument("--functional-compile", choices=("step", "per_layer"), default="step",
                     help="the functional side's compile: the whole step (default) or each layer")
+    ap.add_argument("--loss-chunks", type=int, default=0,
+                    help="also time the functional step with the LM head and loss over this many token chunks "
+                         "(side functional_chunked; default 0: not run)")
     ap.add_argument("--loss-chunk-bytes", type=int, default=0,
                     help="also time the functional step with the LM head and loss over token chunks of this many "
                          "bytes of fp32 logits (side functional_chunked; default 0: not run)")
@@ -399,8 +405,10 @@ def parse_args(argv=None):
         ap.error("no CUDA device: this benchmark measures one GPU (use --smoke to try it on CPU)")
     if args.warmup < 1 or args.steps < 1:
         ap.error("--warmup and --steps must be >= 1")
-    if args.loss_chunk_bytes < 0:
-        ap.error("--loss-chunk-bytes must be >= 0 (0: no chunked side)")
+    if args.loss_chunk_bytes < 0 or args.loss_chunks < 0:
+        ap.error("--loss-chunks and --loss-chunk-bytes must be >= 0 (0: no chunked side)")
+    if args.loss_chunk_bytes and args.loss_chunks:
+        ap.error("give --loss-chunks or --loss-chunk-bytes, not both")
     return args
 
 

@@ -57,11 +57,12 @@ def test_gpu_benchmark_compiles_the_whole_functional_step_unless_told_per_layer(
 
 
 def test_gpu_benchmark_times_a_chunked_loss_side_when_asked(monkeypatch):
-    """``--loss-chunk-bytes N`` adds ``functional_chunked``: the same compiled step with the model's
-    ``loss_chunk_bytes`` set; without it the row's sides are as before."""
+    """``--loss-chunks N`` / ``--loss-chunk-bytes N`` adds ``functional_chunked``: the same compiled
+    step with the model's ``loss_chunks`` / ``loss_chunk_bytes`` set; without them the row's sides
+    are as before."""
     built = []
     monkeypatch.setattr(gpu, "Functional", lambda cfg, params, backend, device, mode="step":
-                        built.append((cfg.loss_chunk_bytes, backend, mode)))
+                        built.append((cfg.loss_chunk_bytes, cfg.loss_chunks, backend, mode)))
     monkeypatch.setattr(gpu.fpp, "init", lambda *a, **kw: None)
     cfg = gpu.llama.Config.tiny()
     plain = gpu.side_makers(cfg, gpu.parse_args(["--smoke"]), 32, eager=True)
@@ -70,9 +71,12 @@ def test_gpu_benchmark_times_a_chunked_loss_side_when_asked(monkeypatch):
     assert set(makers) == {"functional", "plain", "functional_chunked"}
     makers["functional"]()
     makers["functional_chunked"]()
-    assert built == [(cfg.loss_chunk_bytes, "aot_eager", "step"), (4096, "aot_eager", "step")]
-    with pytest.raises(SystemExit):
-        gpu.parse_args(["--smoke", "--loss-chunk-bytes", "-1"])
+    gpu.side_makers(cfg, gpu.parse_args(["--smoke", "--loss-chunks", "8"]), 32, eager=False)["functional_chunked"]()
+    assert built == [(cfg.loss_chunk_bytes, cfg.loss_chunks, "aot_eager", "step"), (4096, None, "aot_eager", "step"),
+                     (None, 8, "aot_eager", "step")]
+    for bad in (["--loss-chunk-bytes", "-1"], ["--loss-chunks", "-1"], ["--loss-chunks", "8", "--loss-chunk-bytes", "64"]):
+        with pytest.raises(SystemExit):
+            gpu.parse_args(["--smoke", *bad])
 
 
 class _Event:
