@@ -259,11 +259,13 @@ def side_makers(cfg, args, seq: int, eager: bool) -> dict:
 
     def functional(c, backend, mode="step"):
         return lambda: Functional(c, fpp.init(llama.init, c, seed=0, device=device), backend, device, mode=mode)
-    makers = {"functional": functional(cfg, args.compile_backend, args.functional_compile),
-              "plain": lambda: Plain(cfg, fpp.init(llama.init, cfg, seed=0, device=device), args.compile_backend,
+    # the sides whose first step is short and known first: a lease that runs out in the whole-step
+    # compile keeps the plain side's and the eager step's numbers
+    makers = {"plain": lambda: Plain(cfg, fpp.init(llama.init, cfg, seed=0, device=device), args.compile_backend,
                                      device, seq)}
     if eager:
         makers["functional_eager"] = functional(cfg, None)
+    makers["functional"] = functional(cfg, args.compile_backend, args.functional_compile)
     if args.loss_chunks or args.loss_chunk_bytes:
         chunked = dataclasses.replace(cfg, loss_chunks=args.loss_chunks or None,
                                       loss_chunk_bytes=args.loss_chunk_bytes or None)
