@@ -74,9 +74,10 @@ def model_config(cfg: Any) -> Any:
 
 def _with_loss_chunks(cfg: Any, model: Any) -> Any:
     """``model`` with the config's ``loss_chunks`` / ``loss_chunk_bytes`` (the LM head and
-    cross-entropy over token chunks). A model whose logits are soft-capped, scaled or biased keeps
-    the whole logits (the chunked loss has none of these), said in the start-up notes; a model
-    config without the option is refused by name."""
+    cross-entropy over token chunks). A model whose logits are soft-capped, scaled or biased, and an
+    objective other than the next-token loss (preference, reward, diffusion), keep the whole logits
+    (the chunked loss computes none of these), said in the start-up notes; a model config without
+    the option is refused by name."""
     given = {k: getattr(cfg, k, None) for k in ("loss_chunks", "loss_chunk_bytes")}
     given = {k: v for k, v in given.items() if v is not None}
     if not given:
@@ -85,12 +86,18 @@ def _with_loss_chunks(cfg: Any, model: Any) -> Any:
     if not all(hasattr(model, k) for k in given):
         raise ConfigError(f"{key}: the model's config ({type(model).__name__}) has no chunked LM head loss: "
                           f"remove {key}")
+    objective = next((name for name, on in (
+        (f"rl: {getattr(cfg, 'rl', None)}", getattr(cfg, "rl", None)),
+        ("reward_model", getattr(cfg, "reward_model", False)),
+        ("process_reward_model", getattr(cfg, "process_reward_model", False)),
+        ("diffusion", getattr(cfg, "diffusion", None) is not None)) if on), None)
     why = [w for w, on in (("soft-capped (final_logit_softcapping)", getattr(model, "final_softcap", None)),
                            ("scaled (logit_scale)", getattr(model, "logit_scale", 1) != 1),
                            ("biased (an lm_head bias)", getattr(model, "lm_head_bias", False))) if on]
-    if why:
-        note = (f"{key}: {value} not applied: this model's logits are {' and '.join(why)}, which the chunked "
-                f"head loss does not compute; the whole logits are formed")
+    if why or objective:
+        reason = (f"{objective}'s objective reads the whole logits (not the next-token loss)" if objective else
+                  f"this model's logits are {' and '.join(why)}, which the chunked head loss does not compute")
+        note = f"{key}: {value} not applied: {reason}; the whole logits are formed"
         if note not in cfg.notes:
             cfg.notes.append(note)
         return model

@@ -70,12 +70,21 @@ def test_fused_head_loss_keys_chunk_the_head_and_loss(d, chunks):
         assert any(f"loss_chunks {chunks}" in n for n in cfg.notes), cfg.notes
 
 
-def test_a_model_with_soft_capped_logits_keeps_the_whole_logits_and_says_so():
+@pytest.mark.parametrize("d, why", [
+    ({"model": {"preset": "tiny", "final_softcap": 30.0}}, "soft-capped"),
+    ({"model": {"preset": "tiny", "logit_scale": 0.5}}, "scaled"),
+    ({"rl": "dpo", "datasets": [{"path": "pairs.jsonl", "type": "chatml.intel"}]}, "rl: dpo's objective"),
+    ({"diffusion": {"mask_token_id": 3}}, "diffusion's objective"),
+])
+def test_logits_the_chunked_loss_does_not_compute_stay_whole_and_the_notes_say_so(d, why):
+    """The chunked head loss computes the next-token cross-entropy of plain logits: a model whose
+    logits are soft-capped or scaled, and an objective that reads the logits themselves, keep
+    the whole logits, and the start-up notes say that ``loss_chunks`` was not applied."""
     from functional_pp.config.models import model_config
-    cfg = TrainConfig.from_dict({"cut_cross_entropy": True, "model": {"preset": "tiny", "final_softcap": 30.0}})
+    cfg = TrainConfig.from_dict({"cut_cross_entropy": True, **d})
     model = model_config(cfg)
-    assert model.loss_chunks is None and model.final_softcap == 30.0
-    assert any("loss_chunks: 8 not applied" in n and "soft-capped" in n for n in cfg.notes), cfg.notes
+    assert cfg.loss_chunks == 8 and model.loss_chunks is None
+    assert any("loss_chunks: 8 not applied" in n and why in n for n in cfg.notes), cfg.notes
 
 
 @pytest.mark.parametrize("d, message", [
