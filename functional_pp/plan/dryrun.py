@@ -24,6 +24,7 @@ from functional_pp.parallel.named import Named, wrap
 from functional_pp.parallel.fsdp.gather_once import GATHER_POLICIES
 from functional_pp.parallel.pipeline.stage import StageOutput, StageRun, running_stage
 from functional_pp.parallel.shard_map import use_rules
+from functional_pp.plan import fsdp2
 from functional_pp.plan.device import representative_device
 from functional_pp.plan.pipeline import PP, pipeline_plan, split_pipeline
 from functional_pp.plan.tracker import DeviceRun, MemoryTracker
@@ -370,13 +371,15 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
         if v:
             memory[cat] = int(round(v))
     peak = (lambda r: r.compiled_peak_bytes) if compiled else (lambda r: r.peak_bytes)
+    gradients = fsdp2.sharded_gradients(decls, repeated, mesh, rules, trainable) if fsdp2_streams else []
     est = LayoutEstimate(
         mesh, rules, comm, param_bytes=weights, state_bytes=weights + grads + opt_state,
         activation_bytes=ext(lambda r: r[0].saved_bytes + (r[0].compiled_saved_delta if compiled else 0)),
         peak_bytes=ext(lambda r: peak(r[0])),
         memory=memory, flops=extrapolate([sum(r.flops.values()) for r in runs], n_layers, micro, layer_w),
         layers=n_layers, runs=runs, settings=settings, notes=notes, rank=device, micro_steps=micro,
-        reserved_overhead=max(0, runs[-1].peak_reserved - runs[-1].peak_bytes),
+        reserved_overhead=max(0, _reserved(runs[-1], steps[-1][0], gradients, expandable_segments)
+                              - runs[-1].peak_bytes),
         layer_runs=tuple(lengths) if layer_w is not None else None, layer_weights=layer_w)
     if layer_w is not None:
         est.notes.append(f"layers of {len(set(layer_kinds(layers_list)))} kinds (parameter shapes): ran the first "
@@ -385,6 +388,18 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
         _offloaded(est, offload, weights if precision == "fp32" else 0, ext)
     est.comm_time_s = _bandwidth_time(comm, bandwidth)
     return est
+
+
+def _reserved(run: DeviceRun, micro_steps: int, units: list[int], expandable_segments: bool) -> int:
+    """The reserved bytes of the whole model's step from the run with the most layers: its own (the
+    cached blocks are reused layer after layer), but for FSDP2's reduce-scatter stream
+    (``fsdp2_streams``), whose pool holds every unit's sharded gradients until the next step:
+    the run's pool (its own outputs, freed per weight) is replaced by the whole model's
+    gradients ``units`` (plan/fsdp2.py ``sharded_gradients``) replayed on it (plan/fsdp2.py ``held_gradients``)."""
+    if not run.gradient_shards:
+        return run.peak_reserved
+    return (run.peak_reserved - run.reserved_by_stream.get(fsdp2.REDUCE_SCATTER_STREAM, 0)
+            + fsdp2.held_gradients(units, micro_steps, expandable_segments))
 
 
 def _offloaded(est: LayoutEstimate, levers: tuple[bool, bool], shard_copies: int, ext) -> None:

@@ -102,6 +102,9 @@ class DeviceRun:
     peak_bytes: int = 0
     peak_reserved: int = 0       # the caching allocator's reserved bytes at their peak (plan/allocator.py)
     reserved_by_stream: dict = field(default_factory=dict)   # stream -> bytes its pools reserved (at the end)
+    # fsdp2_streams: (layer, fp32 bytes) of each weight gradient's reduce-scatter output, in order: FSDP2's
+    # sharded gradients, held on its reduce-scatter stream until the next step (plan/fsdp2.py held_gradients)
+    gradient_shards: list = field(default_factory=list)
     peak_breakdown: dict[str, int] = field(default_factory=dict)
     peak_at: str = ""
     flops: dict[str, float] = field(default_factory=lambda: {"forward": 0.0, "backward": 0.0, "update": 0.0})
@@ -442,6 +445,8 @@ class MemoryTracker(EagerDispatchMode):
         kind, self._collective = self._collective, None        # (the collective's output is its first)
         if kind == "all_gather":             # (stands for FSDP2's copy-out, on the compute stream)
             self._gathers.append(((self.layer, self.phase, self.recomputing), nbytes))
+        elif kind == "reduce_scatter":       # FSDP2 reduces in fp32 (torchtitan's reduce_dtype)
+            self.run.gradient_shards.append((self.layer, 4 * t.numel()))
         self._add(alloc, fsdp2.REDUCE_SCATTER_STREAM if kind == "reduce_scatter" else COMPUTE)
         self._watch[key] = weakref.ref(storage, functools.partial(self._dead, key))
 
