@@ -240,7 +240,7 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
              virtual_stages: int = 1, pp_fsdp_gather: str = "step",
              extrapolate_micro_steps: bool = True, compiled: bool = False,
              fsdp2_streams: bool = False, expandable_segments: bool = False, float8: bool = False,
-             float8_all_gather: bool = False) -> LayoutEstimate:
+             float8_all_gather: bool = False, _pipeline_stage: bool = False) -> LayoutEstimate:
     """Communication, memory and FLOPs per device of one training step of ``loss_fn`` under
     ``mesh`` and ``rules``, without running it: one representative device (``rank``) runs
     ``train_step``'s step on meta tensors: rank 0, or the busiest device when an op announces
@@ -338,13 +338,22 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
     steps = [(g, {k: ((shape[0] // grad_accum * g, *shape[1:]), *rest) for k, (shape, *rest) in batch.items()})
              for g in MICRO_RUNS] if micro else [(grad_accum, batch)]
 
+    itemsize = (PRECISIONS[precision] or torch.float32).itemsize
+
+    def held(d):                     # what FSDP2 keeps gathered (plan/fsdp2.py held_unsharded)
+        if not fsdp2_streams or _pipeline_stage or mesh.shape.get("dp_shard", 1) == 1:
+            return None
+        root, last = fsdp2.held_unsharded(d, repeated, mesh, rules, float8_all_gather, itemsize)
+        n = len(d[repeated]) if isinstance(d, dict) and isinstance(d.get(repeated), list) else 0
+        return root, n - 1, last
+
     def run_on(device: int) -> list:
         return [_run_device(loss_fn, d, mesh, rules, b, options, optimizer, precision, g, remat,
                             repeated, device, timeline, trainable, compiled, fsdp2_streams, expandable_segments,
                             (float8, float8_all_gather),
                             _learn_needed(loss_fn, d, mesh, rules, b, options, optimizer, precision, g, repeated,
                                           device, trainable) if compiled and is_selective(remat) else None,
-                            offload=any(offload))
+                            offload=any(offload), fsdp2_held=held(d))
                 for g, b in steps for d in variants]
     device = 0 if rank is None else rank
     results = run_on(device)
@@ -451,7 +460,8 @@ def _estimate_pipeline(loss_fn, decls, mesh: Mesh, rules: Rules, batch: BatchSpe
     p = mesh.shape[PP]
     per_device = n_layers // p
     stage = {**decls, repeated: layers_list[:per_device], **_stage_copies(decls, repeated, n_layers, per_device)}
-    est = estimate(loss_fn, stage, inner, inner_rules, micro_batch, grad_accum=1, repeated=repeated, **kw)
+    est = estimate(loss_fn, stage, inner, inner_rules, micro_batch, grad_accum=1, repeated=repeated, **kw,
+                   _pipeline_stage=True)   # (its units are held for the step: plan/pipeline.py, not FSDP2's rule)
     if kw.get("float8_all_gather") and fsdp_gather == "step":
         est.notes.append("float8_all_gather: the stage's FSDP units held for the step are counted in 16 bits "
                          "(not halved)")
@@ -564,7 +574,7 @@ def batch_dims_of(batch: BatchSpec) -> dict:
 
 def _run_device(loss_fn, decls, mesh, rules, batch, options, optimizer, precision, grad_accum, remat,
                 repeated, rank, timeline, trainable=None, compiled=False, fsdp2_streams=False,
-                expandable_segments=False, float8=(False, False), needed=None, offload=True):
+                expandable_segments=False, float8=(False, False), needed=None, offload=True, fsdp2_held=None):
     loss = Instrumented(loss_fn, repeated)
     step = train_step(loss, optimizer or optim.adamw(1e-4), mesh=mesh, rules=rules, precision=precision,
                       grad_accum=grad_accum, remat=remat, trainable=trainable, **options,
@@ -583,7 +593,8 @@ def _run_device(loss_fn, decls, mesh, rules, batch, options, optimizer, precisio
             tracker = MemoryTracker(baseline, masters, rep, timeline, baseline_sizes=sizes, compiled=compiled,
                                     fsdp2_streams=fsdp2_streams, expandable_segments=expandable_segments,
                                     needed=needed, selective=remat if is_selective(remat) else "selective",
-                                    float8=float8[0], float8_all_gather=float8[1], offload=offload)
+                                    float8=float8[0], float8_all_gather=float8[1], offload=offload,
+                                    fsdp2_held=fsdp2_held)
             loss.tracker = tracker
             with tracker, torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack), \
                     trace_backward(False), deferred_checks():

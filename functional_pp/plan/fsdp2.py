@@ -105,3 +105,30 @@ def sharded_gradients(decls, repeated: str | None, mesh, rules, trainable=None) 
         shape = local_shape(d.shape, rules.resolve(d.dims, d.shape, mesh, path), mesh)
         units[i] += 4 * int(torch.Size(shape).numel())
     return [u for u in units[n - 1::-1] + units[n:] if u]      # (the layers' last first, the root's last)
+
+
+def held_unsharded(decls, repeated: str | None, mesh, rules, float8_all_gather: bool = False,
+                   itemsize: int = 2) -> tuple[int, int]:
+    """The bytes of (the root unit, the last layer) that FSDP2 holds unsharded from their forward
+    gather to the end of their backward, as torchtitan shards: its root (every parameter
+    outside the layers) because FSDP2 does not reshard the root after forward
+    (``FSDPState._lazy_init``: ``post_forward_mesh_info = None``), its last layer because
+    torchtitan's ``apply_fsdp`` passes ``reshard_after_forward=int(layer_id) < len(layers) - 1``
+    (9dec370; e7c0cae's default policy the same). Each parameter gathered over FSDP's axis
+    (``dp_shard``), in ``itemsize`` bytes (the step's 16 bits), the last layer's matrices in
+    one byte with ``float8_all_gather``."""
+    gathered = type(mesh)(**{**dict(mesh.shape), "dp_shard": 1})
+    layers_list = decls.get(repeated) if isinstance(decls, dict) and repeated else None
+    n = len(layers_list) if isinstance(layers_list, list) else 0
+    root = last = 0
+    for path, d in leaves_with_paths(decls):
+        parts = path.split(".")
+        layer = int(parts[1]) if n and parts[0] == repeated and len(parts) > 1 and parts[1].isdigit() else None
+        if layer is not None and layer != n - 1:
+            continue
+        numel = int(torch.Size(local_shape(d.shape, rules.resolve(d.dims, d.shape, gathered, path), gathered)).numel())
+        if layer is None:
+            root += itemsize * numel
+        else:
+            last += (1 if float8_all_gather and len(d.shape) >= 2 else itemsize) * numel
+    return root, last
