@@ -282,8 +282,12 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
     ``fsdp2_streams``: reserved memory as torch's FSDP2 (``fully_shard``, torchtitan's) allocates
     its collectives' buffers: each unit's flat all-gather buffer on its all-gather stream, the
     reduce-scatter outputs on its reduce-scatter stream, each stream with pools of its own
-    (plan/allocator.py; docs/planning.md, "Reserved memory"). Off: every buffer on the compute
-    stream, as this framework's own step allocates them. ``expandable_segments``: reserved memory
+    (plan/allocator.py; docs/planning.md, "Reserved memory"), the latter holding the step's
+    sharded gradients until the next step; and, with FSDP over ``dp_shard`` outside a pipeline,
+    the parameters as FSDP2 holds them under torchtitan's policy: the root unit and the last
+    layer gathered from their forward to the end of their backward, no 16-bit shard copies
+    (plan/fsdp2.py). Off: every buffer on the compute stream, as this framework's own step
+    allocates them. ``expandable_segments``: reserved memory
     under ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (each pool one segment growing at
     its end; torchtitan's launcher sets it) instead of CUDA's default.
 
