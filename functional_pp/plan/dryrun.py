@@ -24,6 +24,7 @@ from functional_pp.parallel.named import Named, wrap
 from functional_pp.parallel.fsdp.gather_once import GATHER_POLICIES
 from functional_pp.parallel.pipeline.stage import StageOutput, StageRun, running_stage
 from functional_pp.parallel.shard_map import use_rules
+from functional_pp.plan import fsdp2
 from functional_pp.plan.device import representative_device
 from functional_pp.plan.pipeline import PP, pipeline_plan, split_pipeline
 from functional_pp.plan.tracker import DeviceRun, MemoryTracker
@@ -239,7 +240,7 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
              virtual_stages: int = 1, pp_fsdp_gather: str = "step",
              extrapolate_micro_steps: bool = True, compiled: bool = False,
              fsdp2_streams: bool = False, expandable_segments: bool = False, float8: bool = False,
-             float8_all_gather: bool = False) -> LayoutEstimate:
+             float8_all_gather: bool = False, _pipeline_stage: bool = False) -> LayoutEstimate:
     """Communication, memory and FLOPs per device of one training step of ``loss_fn`` under
     ``mesh`` and ``rules``, without running it: one representative device (``rank``) runs
     ``train_step``'s step on meta tensors: rank 0, or the busiest device when an op announces
@@ -281,8 +282,12 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
     ``fsdp2_streams``: reserved memory as torch's FSDP2 (``fully_shard``, torchtitan's) allocates
     its collectives' buffers: each unit's flat all-gather buffer on its all-gather stream, the
     reduce-scatter outputs on its reduce-scatter stream, each stream with pools of its own
-    (plan/allocator.py; docs/planning.md, "Reserved memory"). Off: every buffer on the compute
-    stream, as this framework's own step allocates them. ``expandable_segments``: reserved memory
+    (plan/allocator.py; docs/planning.md, "Reserved memory"), the latter holding the step's
+    sharded gradients until the next step; and, with FSDP over ``dp_shard`` outside a pipeline,
+    the parameters as FSDP2 holds them under torchtitan's policy: the root unit and the last
+    layer gathered from their forward to the end of their backward, no 16-bit shard copies
+    (plan/fsdp2.py). Off: every buffer on the compute stream, as this framework's own step
+    allocates them. ``expandable_segments``: reserved memory
     under ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (each pool one segment growing at
     its end; torchtitan's launcher sets it) instead of CUDA's default.
 
@@ -337,13 +342,22 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
     steps = [(g, {k: ((shape[0] // grad_accum * g, *shape[1:]), *rest) for k, (shape, *rest) in batch.items()})
              for g in MICRO_RUNS] if micro else [(grad_accum, batch)]
 
+    itemsize = (PRECISIONS[precision] or torch.float32).itemsize
+
+    def held(d):                     # what FSDP2 keeps gathered (plan/fsdp2.py held_unsharded)
+        if not fsdp2_streams or _pipeline_stage or mesh.shape.get("dp_shard", 1) == 1:
+            return None
+        root, last = fsdp2.held_unsharded(d, repeated, mesh, rules, float8_all_gather, itemsize)
+        n = len(d[repeated]) if isinstance(d, dict) and isinstance(d.get(repeated), list) else 0
+        return root, n - 1, last
+
     def run_on(device: int) -> list:
         return [_run_device(loss_fn, d, mesh, rules, b, options, optimizer, precision, g, remat,
                             repeated, device, timeline, trainable, compiled, fsdp2_streams, expandable_segments,
                             (float8, float8_all_gather),
                             _learn_needed(loss_fn, d, mesh, rules, b, options, optimizer, precision, g, repeated,
                                           device, trainable) if compiled and is_selective(remat) else None,
-                            offload=any(offload))
+                            offload=any(offload), fsdp2_held=held(d))
                 for g, b in steps for d in variants]
     device = 0 if rank is None else rank
     results = run_on(device)
@@ -370,13 +384,15 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
         if v:
             memory[cat] = int(round(v))
     peak = (lambda r: r.compiled_peak_bytes) if compiled else (lambda r: r.peak_bytes)
+    gradients = fsdp2.sharded_gradients(decls, repeated, mesh, rules, trainable) if fsdp2_streams else []
     est = LayoutEstimate(
         mesh, rules, comm, param_bytes=weights, state_bytes=weights + grads + opt_state,
         activation_bytes=ext(lambda r: r[0].saved_bytes + (r[0].compiled_saved_delta if compiled else 0)),
         peak_bytes=ext(lambda r: peak(r[0])),
         memory=memory, flops=extrapolate([sum(r.flops.values()) for r in runs], n_layers, micro, layer_w),
         layers=n_layers, runs=runs, settings=settings, notes=notes, rank=device, micro_steps=micro,
-        reserved_overhead=max(0, runs[-1].peak_reserved - runs[-1].peak_bytes),
+        reserved_overhead=max(0, _reserved(runs[-1], steps[-1][0], gradients, expandable_segments)
+                              - runs[-1].peak_bytes),
         layer_runs=tuple(lengths) if layer_w is not None else None, layer_weights=layer_w)
     if layer_w is not None:
         est.notes.append(f"layers of {len(set(layer_kinds(layers_list)))} kinds (parameter shapes): ran the first "
@@ -385,6 +401,18 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
         _offloaded(est, offload, weights if precision == "fp32" else 0, ext)
     est.comm_time_s = _bandwidth_time(comm, bandwidth)
     return est
+
+
+def _reserved(run: DeviceRun, micro_steps: int, units: list[int], expandable_segments: bool) -> int:
+    """The reserved bytes of the whole model's step from the run with the most layers: its own (the
+    cached blocks are reused layer after layer), but for FSDP2's reduce-scatter stream
+    (``fsdp2_streams``), whose pool holds every unit's sharded gradients until the next step:
+    the run's pool (its own outputs, freed per weight) is replaced by the whole model's
+    gradients ``units`` (plan/fsdp2.py ``sharded_gradients``) replayed on it (plan/fsdp2.py ``held_gradients``)."""
+    if not run.gradient_shards:
+        return run.peak_reserved
+    return (run.peak_reserved - run.reserved_by_stream.get(fsdp2.REDUCE_SCATTER_STREAM, 0)
+            + fsdp2.held_gradients(units, micro_steps, expandable_segments))
 
 
 def _offloaded(est: LayoutEstimate, levers: tuple[bool, bool], shard_copies: int, ext) -> None:
@@ -436,7 +464,8 @@ def _estimate_pipeline(loss_fn, decls, mesh: Mesh, rules: Rules, batch: BatchSpe
     p = mesh.shape[PP]
     per_device = n_layers // p
     stage = {**decls, repeated: layers_list[:per_device], **_stage_copies(decls, repeated, n_layers, per_device)}
-    est = estimate(loss_fn, stage, inner, inner_rules, micro_batch, grad_accum=1, repeated=repeated, **kw)
+    est = estimate(loss_fn, stage, inner, inner_rules, micro_batch, grad_accum=1, repeated=repeated, **kw,
+                   _pipeline_stage=True)   # (its units are held for the step: plan/pipeline.py, not FSDP2's rule)
     if kw.get("float8_all_gather") and fsdp_gather == "step":
         est.notes.append("float8_all_gather: the stage's FSDP units held for the step are counted in 16 bits "
                          "(not halved)")
@@ -549,7 +578,7 @@ def batch_dims_of(batch: BatchSpec) -> dict:
 
 def _run_device(loss_fn, decls, mesh, rules, batch, options, optimizer, precision, grad_accum, remat,
                 repeated, rank, timeline, trainable=None, compiled=False, fsdp2_streams=False,
-                expandable_segments=False, float8=(False, False), needed=None, offload=True):
+                expandable_segments=False, float8=(False, False), needed=None, offload=True, fsdp2_held=None):
     loss = Instrumented(loss_fn, repeated)
     step = train_step(loss, optimizer or optim.adamw(1e-4), mesh=mesh, rules=rules, precision=precision,
                       grad_accum=grad_accum, remat=remat, trainable=trainable, **options,
@@ -568,7 +597,8 @@ def _run_device(loss_fn, decls, mesh, rules, batch, options, optimizer, precisio
             tracker = MemoryTracker(baseline, masters, rep, timeline, baseline_sizes=sizes, compiled=compiled,
                                     fsdp2_streams=fsdp2_streams, expandable_segments=expandable_segments,
                                     needed=needed, selective=remat if is_selective(remat) else "selective",
-                                    float8=float8[0], float8_all_gather=float8[1], offload=offload)
+                                    float8=float8[0], float8_all_gather=float8[1], offload=offload,
+                                    fsdp2_held=fsdp2_held)
             loss.tracker = tracker
             with tracker, torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack), \
                     trace_backward(False), deferred_checks():

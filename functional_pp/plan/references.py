@@ -181,15 +181,6 @@ WHITEFIBER_2025 = ("torchtitan's llama3-8b_h200_202506_trainy-whitefiber.md (its
                    "compile, Float8 with Float8 FSDP all-gathers, TPS and memory at the 100th step")
 
 
-#: why the 64-GPU H200 row's memory is 11.2% under
-WHITEFIBER_MEMORY = ("held out: 5.3 GiB under at 64 GPUs (4.5 at 32), with Float8's buffers modelled (the operands' "
-                     "fp8 copies live during each product, the layers' weights gathered in fp8: 0.16 GiB less "
-                     "reserved than without, the fp8 gathers' smaller pool; docs/planning.md, \"Float8's memory\"); "
-                     "what is left is not Float8's: torchtitan's bf16 8B rows of December 2024 are 1.0 to 5.2 GiB "
-                     "under too. Not known: whether "
-                     "the run set expandable_segments")
-
-
 def _whitefiber(nodes: int, tps: float, memory: float, memory_tolerance: float = 0.10,
                 memory_why: str = "") -> Reference:
     return Reference(f"8B FSDP {8 * nodes} on H200, compiled + Float8", "llama3_8b", (("dp_shard", 8 * nodes),), 2,
@@ -206,7 +197,7 @@ def _whitefiber(nodes: int, tps: float, memory: float, memory_tolerance: float =
 
 #: torchtitan's 8B rows on 32 and 64 H200 (June 2025): out of sample (hardware and software)
 LLAMA3_8B_H200 = (_whitefiber(4, 10938, 47.96),
-                  _whitefiber(8, 10753, 46.97, memory_tolerance=0.12, memory_why=WHITEFIBER_MEMORY))
+                  _whitefiber(8, 10753, 46.97))
 
 GPU_H200 = ("this project's benchmarks/gpu.py on one H200 (torch 2.11.0+cu130, 2026-12-04; docs/gpu.md): the "
             "functional step eager, bf16 with fp32 masters, AdamW; the tokens/s of the timed steps as issue 44 "

@@ -102,6 +102,9 @@ class DeviceRun:
     peak_bytes: int = 0
     peak_reserved: int = 0       # the caching allocator's reserved bytes at their peak (plan/allocator.py)
     reserved_by_stream: dict = field(default_factory=dict)   # stream -> bytes its pools reserved (at the end)
+    # fsdp2_streams: (layer, fp32 bytes) of each weight gradient's reduce-scatter output, in order: FSDP2's
+    # sharded gradients, held on its reduce-scatter stream until the next step (plan/fsdp2.py held_gradients)
+    gradient_shards: list = field(default_factory=list)
     peak_breakdown: dict[str, int] = field(default_factory=dict)
     peak_at: str = ""
     flops: dict[str, float] = field(default_factory=lambda: {"forward": 0.0, "backward": 0.0, "update": 0.0})
@@ -230,8 +233,13 @@ class MemoryTracker(EagerDispatchMode):
     def __init__(self, baseline: dict[str, int], param_tensors, report: CommReport | None = None,
                  timeline: bool = True, baseline_sizes=None, compiled: bool = False, needed=None,
                  fsdp2_streams: bool = False, expandable_segments: bool = False, selective: str = "selective",
-                 float8: bool = False, float8_all_gather: bool = False, offload: bool = True):
+                 float8: bool = False, float8_all_gather: bool = False, offload: bool = True,
+                 fsdp2_held: tuple | None = None):
         super().__init__()
+        # fsdp2_streams: (root bytes, last layer, its bytes) FSDP2 holds gathered (plan/fsdp2.py held_unsharded)
+        self._fsdp2_held = fsdp2_held if fsdp2_streams else None
+        self._fsdp2_live: dict = {}          # "root" / "last" -> the key of its held buffer
+        self._fsdp2_done: set = set()        # those resharded (backward done with them)
         self._offload_levers = OFFLOAD_LEVERS if offload else ()   # whose peaks the run records
         self.float8, self.float8_all_gather = float8, float8_all_gather     # Float8 linear layers' buffers
         self._seq_cast = 0
@@ -352,6 +360,9 @@ class MemoryTracker(EagerDispatchMode):
             self.phase, self._seen_backward = "backward", True
         elif self._seen_backward and self.phase == "backward":
             self.phase = "update"
+        if self._fsdp2_live and (self.phase == "update" or (backward and self.layer is not None
+                                                            and self.layer < self._fsdp2_held[1])):
+            self._fsdp2_release()
         inputs = _tensors((args, kwargs))
         in_allocs = [self._live.get(id(a.untyped_storage())) for a in inputs]
         if backward and not self.recomputing:     # recomputation keeps its region's layer
@@ -423,8 +434,15 @@ class MemoryTracker(EagerDispatchMode):
         if key in self._live or key in self._param_ids:
             return
         nbytes = storage.nbytes()
+        kind, self._collective = self._collective, None        # (the collective's output is its first)
         if derived and self.float8_all_gather and self.layer is not None and t.dim() == 2 and t.is_floating_point():
             nbytes = t.numel()               # a layer's matrix weight gathered in fp8 (float8_all_gather)
+        if kind == "all_gather":             # (stands for FSDP2's copy-out, on the compute stream)
+            self._gathers.append(((self.layer, self.phase, self.recomputing), nbytes))
+        elif kind == "reduce_scatter":       # FSDP2 reduces in fp32 (torchtitan's reduce_dtype)
+            self.run.gradient_shards.append((self.layer, 4 * t.numel()))
+        if self._fsdp2_held is not None and derived:
+            nbytes = self._fsdp2_unsharded(kind, nbytes, inputs, t)
         if derived:
             category = "weights in flight"
             self._weight_shapes.add(tuple(t.shape))
@@ -439,9 +457,6 @@ class MemoryTracker(EagerDispatchMode):
         widened = (func is _aten._to_copy.default and t.dtype == torch.float32 and len(inputs) == 1
                    and inputs[0].dtype in (torch.bfloat16, torch.float16))
         alloc = _Alloc(nbytes, category, op, self.layer, self.phase, derived, self.recomputing, widened, key)
-        kind, self._collective = self._collective, None        # (the collective's output is its first)
-        if kind == "all_gather":             # (stands for FSDP2's copy-out, on the compute stream)
-            self._gathers.append(((self.layer, self.phase, self.recomputing), nbytes))
         self._add(alloc, fsdp2.REDUCE_SCATTER_STREAM if kind == "reduce_scatter" else COMPUTE)
         self._watch[key] = weakref.ref(storage, functools.partial(self._dead, key))
 
@@ -464,6 +479,36 @@ class MemoryTracker(EagerDispatchMode):
             self.run.peak_bytes = self._current
             self.run.peak_breakdown = {c: v for c, v in self._totals.items() if v}
             self.run.peak_at = f"{self.phase} {alloc.op}" + (f" (layer {self.layer})" if self.layer is not None else "")
+
+    # -------------------------------------------------------------- FSDP2's unsharded parameters
+    def _fsdp2_unsharded(self, kind, nbytes: int, inputs, t) -> int:
+        """The bytes a weight's gather or cast counts as FSDP2 holds them (``fsdp2_held``):
+        the root unit is gathered whole at the first gather outside the layers and held to the
+        end of backward, the last layer from its forward gather to the end of its backward
+        (docs/planning.md, "Reserved memory"): the dry-run's own gathers of them count nothing
+        meanwhile (the held buffer stands for them). The step's 16-bit copy of a parameter's
+        shard counts nothing: FSDP2 casts the shard inside the all-gather's copy-in and frees it."""
+        root, last, last_bytes = self._fsdp2_held
+        if kind != "all_gather":
+            shard = any(id(a.untyped_storage()) in self._param_ids and a.numel() == t.numel() for a in inputs)
+            return 0 if shard and self.layer is None and self.phase == "forward" else nbytes
+        which = "root" if self.layer is None else "last" if self.layer == last else None
+        if which is None:
+            return nbytes
+        if which not in self._fsdp2_live:
+            if self.phase != "forward" or self.recomputing or which in self._fsdp2_done:
+                return nbytes
+            key = ("fsdp2 unsharded", which)
+            self._add(_Alloc(root if which == "root" else last_bytes, "weights in flight", f"fsdp2 {which} unit",
+                             self.layer, self.phase, True, False, False, key))
+            self._fsdp2_live[which] = key
+        return 0
+
+    def _fsdp2_release(self) -> None:
+        """Reshard what FSDP2 held: the last layer once backward has left it, the root at the update."""
+        for which in [w for w in self._fsdp2_live if w == "last" or self.phase == "update"]:
+            self._free(self._fsdp2_live.pop(which))
+            self._fsdp2_done.add(which)
 
     # -------------------------------------------------------------- Float8
     def _float8_casts(self, func, args) -> list:

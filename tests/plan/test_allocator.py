@@ -135,6 +135,53 @@ def test_fsdp2_buffers_are_on_their_streams_and_a_forward_gather_is_held_until_t
     assert own.reserved_bytes < est.reserved_bytes
 
 
+def test_fsdp2_holds_a_steps_sharded_gradients_in_its_reduce_scatter_pool():
+    """FSDP2's sharded gradients are views of each unit's reduce-scatter output, allocated on its
+    reduce-scatter stream and held until the next step's ``zero_grad``: one buffer per layer (the
+    last first) and the root's last, all held, so the pool reserves their segments (a 6 MiB unit
+    shares a 20 MiB segment, a 100 MiB one has its own). With micro-steps each later output is
+    added into them and freed. The dry-run's pool is replaced by the whole step's gradients."""
+    assert fsdp2.held_gradients([6 * MiB] * 3) == 20 * MiB
+    assert fsdp2.held_gradients([6 * MiB] * 4) == 40 * MiB
+    assert fsdp2.held_gradients([100 * MiB, 6 * MiB]) == 120 * MiB
+    assert fsdp2.held_gradients([6 * MiB] * 3, micro_steps=2) == 40 * MiB     # a 6 MiB output beside them
+    cfg = llama.Config.tiny(layers=3, hidden=1024, heads=8, kv_heads=4, mlp=4096, vocab=512)
+    decls = llama.init(cfg)
+    batch = {k: ((4, 64), "batch seq") for k in ("tokens", "labels")}
+    est = plan.estimate(functools.partial(llama.loss, cfg=cfg), decls, fpp.Mesh(dp_shard=2),
+                        plan.standard_rules(("dp_shard",)), batch, precision="bf16", fsdp2_streams=True)
+    run = est.runs[-1]
+    units = fsdp2.sharded_gradients(decls, "layers", fpp.Mesh(dp_shard=2), plan.standard_rules(("dp_shard",)))
+    layer = 4 * sum(math.prod(d.shape) for d in tree_leaves(decls["layers"][0])) // 2
+    assert units[:3] == [layer] * 3 and sum(units) == 4 * sum(math.prod(d.shape) for d in tree_leaves(decls)) // 2
+    assert sum(units) - layer == sum(n for _, n in run.gradient_shards)   # what its run of 2 layers reduce-scattered
+    assert est.reserved_overhead == (run.peak_reserved - run.reserved_by_stream["reduce_scatter"]
+                                     + fsdp2.held_gradients(units) - run.peak_bytes)
+    assert fsdp2.held_gradients(units) > 4 * run.reserved_by_stream["reduce_scatter"]
+
+
+def test_fsdp2_holds_its_root_and_the_last_layer_gathered_and_no_16_bit_shard_copies():
+    """FSDP2 does not reshard its root unit after forward, and torchtitan not its last layer: at
+    the loss's peak both are held gathered in 16 bits (the embedding and head, the last layer),
+    whatever the number of layers run; FSDP2 casts a shard inside the gather's copy-in and frees
+    it, where this framework's step keeps a 16-bit copy of every shard (one more per layer)."""
+    cfg = llama.Config.tiny(layers=3, hidden=256, heads=4, kv_heads=2, mlp=512, vocab=32768)
+    decls = llama.init(cfg)
+    mesh, rules = fpp.Mesh(dp_shard=2), plan.standard_rules(("dp_shard",))
+    batch = {k: ((4, 512), "batch seq") for k in ("tokens", "labels")}
+    run = functools.partial(plan.estimate, functools.partial(llama.loss, cfg=cfg), decls, mesh, rules, batch,
+                            precision="bf16")
+    root = 2 * sum(math.prod(d.shape) for k, v in decls.items() if k != "layers" for d in tree_leaves(v))
+    last = 2 * sum(math.prod(d.shape) for d in tree_leaves(decls["layers"][-1]))
+    assert fsdp2.held_unsharded(decls, "layers", mesh, rules) == (root, last)
+    est, own = run(fsdp2_streams=True), run()
+    assert all("backward" in r.peak_at for r in est.runs + own.runs)      # at the loss
+    assert [r.peak_breakdown["weights in flight"] for r in est.runs] == [root + last] * 2
+    copies = [r.peak_breakdown["weights in flight"] for r in own.runs]
+    assert copies[0] < copies[1] < root and est.peak_bytes - own.peak_bytes == root + last - own.memory[
+        "weights in flight"]
+
+
 @pytest.mark.parametrize("compile", [False, "per_layer"])
 def test_validate_memory_and_plan_give_the_same_reserved_bytes(tmp_path, capsys, compile):
     """(``compile: per_layer``: both estimate the compiled layers' saved tensors, plan.estimate(compiled=True).)"""
