@@ -68,3 +68,22 @@ def test_the_lever_needs_a_loss_for_each_chunk_count():
         _search(plan.Space(**SPACE, loss_chunks=(None, 8)))
     with pytest.raises(ValueError, match=r"loss_chunks holds \[0\]"):
         _search(plan.Space(**SPACE, loss_chunks=(None, 0)), loss_for=_loss_for)
+
+
+def test_the_beam_does_not_skip_less_chunking_with_more_recomputation():
+    """The expansion's pruning: a fitting chunked variant does not stand for one with the whole
+    logits and more recomputation (it may be faster), so that one is still evaluated."""
+    from types import SimpleNamespace
+
+    from functional_pp.plan.search import Candidate
+    mesh, rules = fpp.Mesh(dp_shard=2), plan.standard_rules(("dp_shard",))
+    # (remat, loss_chunks) -> (fits, step seconds): here chunking costs more than recomputation
+    table = {(False, None): (False, 1.0), (False, 8): (True, 1.5), (True, None): (True, 1.2), (True, 8): (True, 1.7)}
+    cands = [Candidate(mesh, rules, "fsdp", remat=r, loss_chunks=k) for r, k in table]
+
+    def evaluate(c):
+        fits, seconds = table[(c.remat, c.loss_chunks)]
+        return SimpleNamespace(settings={"fits": fits}, time=SimpleNamespace(step_s=seconds), candidate=c)
+    found = plan.beam(1)(cands, evaluate)
+    best = min((e for e in found if e.settings["fits"]), key=lambda e: e.time.step_s)
+    assert (best.candidate.remat, best.candidate.loss_chunks) == (True, None)
