@@ -31,6 +31,31 @@ def _model(cfg):
     return run_model(cfg, model_config(cfg), compute_dtype(cfg))     # base_model's config.json, or the preset
 
 
+#: the loss-chunk counts ``plan`` tries where the config leaves ``loss_chunks`` free (Axolotl's
+#: cut_cross_entropy and chunked_cross_entropy default: 8)
+LOSS_CHUNKS = (8,)
+
+
+def chunkable(cfg) -> bool:
+    """Whether ``cfg``'s model takes ``loss_chunks`` (config/models.py ``loss_chunking_refused``:
+    a chunked head loss, logits not soft-capped, scaled or biased, the next-token objective)."""
+    from functional_pp.config import model_config
+    from functional_pp.config.models import loss_chunking_refused
+    return loss_chunking_refused(cfg, model_config(cfg)) is None
+
+
+def _loss_for(cfg):
+    """``loss_for(chunks)`` for :func:`~functional_pp.plan.search`: the run's loss with the model
+    config's ``loss_chunks`` set to ``chunks`` (as training with ``loss_chunks: chunks`` builds it)."""
+    from functional_pp.app.report import compute_dtype, run_model
+    from functional_pp.config import model_config
+
+    def loss_for(chunks: int):
+        model = dataclasses.replace(model_config(cfg), loss_chunks=chunks, loss_chunk_bytes=None)
+        return run_model(cfg, model, compute_dtype(cfg))[0]
+    return loss_for
+
+
 def global_batch_for(cfg, n_devices: int) -> int:
     """Sequences per step under ``layout: auto``: ``global_batch_size``, or
     micro_batch_size x gradient_accumulation_steps x the device count (all data parallel)."""
@@ -48,7 +73,9 @@ def config_space(cfg, *, orders: str = "default", pp: tuple[int, ...] = (1,), ep
     """The layouts ``plan`` and ``layout: auto`` search for ``cfg``: what the config fixes is
     fixed (``activation_checkpointing``, ``micro_batch_size``, ``reshard_after_forward``
     when given), what it leaves free is searched (no, selective and whole-layer checkpointing;
-    every micro-batch size that divides the local batch; FSDP re-gathering or not), with the
+    every micro-batch size that divides the local batch; FSDP re-gathering or not; the LM head and
+    loss whole or over :data:`LOSS_CHUNKS` token chunks where the model takes ``loss_chunks``,
+    :func:`chunkable`, and the config gives neither it nor ``loss_chunk_bytes``), with the
     mesh, FSDP axes and sequence parallelism; only options a config can express (so the chosen
     layout can be pasted: :func:`layout_keys`). ``max_axis`` caps axis sizes (default: cp up to
     :data:`CP_MIN_TOKENS` tokens per device, a shorter split only adds ring steps; a model whose layers are
@@ -58,7 +85,14 @@ def config_space(cfg, *, orders: str = "default", pp: tuple[int, ...] = (1,), ep
     remat = (cfg.activation_checkpointing,) if "activation_checkpointing" in given else (False, "selective", "selective_alternate", True)
     micro = (cfg.micro_batch_size,) if "micro_batch_size" in given else "all"
     keep = (not cfg.reshard_after_forward,) if "reshard_after_forward" in given else (False, True)
+    if cfg.loss_chunk_bytes or not chunkable(cfg):
+        chunks = (None,)        # (loss_chunk_bytes: the config's loss chunks it by bytes)
+    elif "loss_chunks" in given or cfg.loss_chunks is not None:
+        chunks = (cfg.loss_chunks or None,)
+    else:
+        chunks = (None, *LOSS_CHUNKS)
     return Space(orders=orders, precision=cfg.resolved_precision(), remat=remat, micro_batch_sizes=micro,
+                 loss_chunks=chunks,
                  keep_gathered=keep, regather_activations=(False,), cp_attention=("ring",), pp=pp, ep=ep,
                  offload_params=(cfg.offload_params,), activation_offloading=(cfg.activation_offloading,),
                  max_axis={"cp": max(1, row_tokens(cfg) // CP_MIN_TOKENS), **(max_axis or {})})
@@ -100,7 +134,7 @@ def rank_layouts(cfg, n_devices: int, cluster="h100x8", *, memory_gb: float | No
                          compiled=compiled_layers(cfg), cost_model=functools.partial(cost, float8=float8),
                          float8=float8,
                          amend=functools.partial(add_rollout, cfg, model_config(cfg), gb),
-                         tokens_per_step=step_tokens(cfg, gb, row), jobs=jobs)
+                         tokens_per_step=step_tokens(cfg, gb, row), jobs=jobs, loss_for=_loss_for(cfg))
     print(("\r" + " " * 90 + "\r" if live else "") + f"  estimated {len(ranking) + len(ranking.rejected)} layouts "
           f"in {time.perf_counter() - started:.0f} s", file=out, flush=True)
     return ranking
@@ -159,6 +193,11 @@ def no_fit(ranking: Ranking, cfg=None) -> str:
         why = " (the config fixes activation_checkpointing; remove it to let plan search it)" \
             if "activation_checkpointing" in given else ""
         lines.append(f"  - whole-layer activation checkpointing: activation_checkpointing: true{why}")
+    if (cfg is not None and not near.settings.get("loss_chunks") and not cfg.loss_chunk_bytes
+            and not any(e.settings.get("loss_chunks") for e in ranking) and chunkable(cfg)):
+        why = " (the config fixes loss_chunks; remove it to let plan search it)" if "loss_chunks" in given else ""
+        lines.append(f"  - the LM head and loss over token chunks, the full logits never stored: loss_chunks: "
+                     f"{LOSS_CHUNKS[0]}{why}")
     if cfg is not None and "micro_batch_size" in given and cfg.micro_batch_size > 1:
         lines.append(f"  - a smaller micro-batch: micro_batch_size: 1 (now {cfg.micro_batch_size}; gradient "
                      f"accumulation keeps the global batch)")
@@ -181,8 +220,8 @@ def no_fit(ranking: Ranking, cfg=None) -> str:
 def layout_keys(cfg, est, n_devices: int) -> dict:
     """The config keys (as ``TrainConfig`` names them) that train the layout of estimate
     ``est``: mesh sizes, pipeline schedule, sequence parallelism, the FSDP axes where they
-    differ from the model's default rules, activation checkpointing, re-gathering, and the
-    batch as micro-batch x accumulation at the global batch."""
+    differ from the model's default rules, activation checkpointing, re-gathering, the loss
+    chunks where chunked, and the batch as micro-batch x accumulation at the global batch."""
     s = est.mesh.shape
     gb = global_batch_for(cfg, n_devices)
     dp = s.get("dp_replicate", 1) * s.get("dp_shard", 1) * s.get("ep", 1)
@@ -198,6 +237,8 @@ def layout_keys(cfg, est, n_devices: int) -> dict:
                 gradient_accumulation_steps=ga, activation_checkpointing=est.settings.get("remat") or False,
                 reshard_after_forward=not est.settings.get("keep_gathered", False))
     keys.update({k: True for k in ("offload_params", "activation_offloading") if est.settings.get(k)})
+    if est.settings.get("loss_chunks"):
+        keys["loss_chunks"] = est.settings["loss_chunks"]
     plain = dataclasses.replace(cfg, **{k: v for k, v in keys.items() if k != "rules"})
     default = plain.build_rules(est.mesh)
     if _fsdp_axes(default, s) != _fsdp_axes(est.rules, s):

@@ -86,6 +86,23 @@ def _with_loss_chunks(cfg: Any, model: Any) -> Any:
     if not all(hasattr(model, k) for k in given):
         raise ConfigError(f"{key}: the model's config ({type(model).__name__}) has no chunked LM head loss: "
                           f"remove {key}")
+    reason = loss_chunking_refused(cfg, model)
+    if reason:
+        note = f"{key}: {value} not applied: {reason}; the whole logits are formed"
+        if note not in cfg.notes:
+            cfg.notes.append(note)
+        return model
+    other = {"loss_chunks": "loss_chunk_bytes", "loss_chunk_bytes": "loss_chunks"}[key]
+    return dataclasses.replace(model, **{key: value, other: None})
+
+
+def loss_chunking_refused(cfg: Any, model: Any) -> str | None:
+    """Why ``model`` trained by ``cfg`` keeps the whole logits under ``loss_chunks``, or None where
+    the chunked head loss applies: a model config without the option, logits soft-capped, scaled
+    or biased, an objective other than the next-token loss (the planner searches the lever only
+    where this is None: cli/plan.py ``config_space``)."""
+    if not hasattr(model, "loss_chunks"):
+        return f"the model's config ({type(model).__name__}) has no chunked LM head loss"
     objective = next((name for name, on in (
         (f"rl: {getattr(cfg, 'rl', None)}", getattr(cfg, "rl", None)),
         ("reward_model", getattr(cfg, "reward_model", False)),
@@ -94,15 +111,11 @@ def _with_loss_chunks(cfg: Any, model: Any) -> Any:
     why = [w for w, on in (("soft-capped (final_logit_softcapping)", getattr(model, "final_softcap", None)),
                            ("scaled (logit_scale)", getattr(model, "logit_scale", 1) != 1),
                            ("biased (an lm_head bias)", getattr(model, "lm_head_bias", False))) if on]
-    if why or objective:
-        reason = (f"{objective}'s objective reads the whole logits (not the next-token loss)" if objective else
-                  f"this model's logits are {' and '.join(why)}, which the chunked head loss does not compute")
-        note = f"{key}: {value} not applied: {reason}; the whole logits are formed"
-        if note not in cfg.notes:
-            cfg.notes.append(note)
-        return model
-    other = {"loss_chunks": "loss_chunk_bytes", "loss_chunk_bytes": "loss_chunks"}[key]
-    return dataclasses.replace(model, **{key: value, other: None})
+    if objective:
+        return f"{objective}'s objective reads the whole logits (not the next-token loss)"
+    if why:
+        return f"this model's logits are {' and '.join(why)}, which the chunked head loss does not compute"
+    return None
 
 
 AXOLOTL_CLASSES = {"MambaLMHeadModel": "mamba"}

@@ -35,10 +35,11 @@ class Candidate:
     remat: bool | str = False    # False, True, "selective" or "selective_alternate"
     schedule: str = "1f1b"       # pipeline schedule (pp > 1); grad_accum is its micro-batches
     virtual: int = 1             # model chunks per device (interleaved_1f1b)
+    loss_chunks: int | None = None   # the LM head and loss over this many token chunks (None: whole logits)
 
     def __hash__(self):
         return hash((tuple(self.mesh.shape.items()), repr(self.rules), self.options, self.precision,
-                     self.grad_accum, self.remat, self.schedule, self.virtual))
+                     self.grad_accum, self.remat, self.schedule, self.virtual, self.loss_chunks))
 
 
 @dataclass
@@ -47,13 +48,17 @@ class Space:
     ``("dp_shard",)``, ``("dp_shard", "cp")``, ``()`` = no FSDP); ``orders``: "default"
     (``dp_replicate, dp_shard, cp, tp``: tp innermost) or "all" (every order that places the
     axes on nodes differently). ``pp``: pipeline sizes, each with ``schedules`` (interleaved
-    with each of ``virtual_stages``) and ``micro_batches``; ``ep``: expert-parallel sizes."""
+    with each of ``virtual_stages``) and ``micro_batches``; ``ep``: expert-parallel sizes.
+    ``loss_chunks``: the LM head and cross-entropy over that many chunks of each device's tokens
+    (None: the whole logits), a memory lever like ``remat``; :func:`search` needs ``loss_for``
+    for a value other than None."""
     axes: Sequence[str] = DEFAULT_AXES
     fsdp: Sequence[tuple[str, ...]] = (("dp_shard", "cp"), ("dp_shard",), ())
     sequence_parallel: Sequence[bool] = (True, False)
     regather_activations: Sequence[bool] = (False, True)   # with SP: Megatron's re-gather in backward
     cp_attention: Sequence[str] = ("ring", "allgather")
     remat: Sequence[bool | str] = (False, True)   # add "selective", "selective_alternate" to rank them too
+    loss_chunks: Sequence[int | None] = (None,)   # e.g. (None, 8): the head and loss over 8 token chunks too
     keep_gathered: Sequence[bool] = (False, True)
     grad_accum: Sequence[int] = (1,)
     orders: str = "default"
@@ -170,10 +175,10 @@ def candidates(n_devices: int, space: Space, cl: Cluster, rows: int | None = Non
                 continue                                   # plain DP: use dp_replicate
             choices = itertools.product(space.sequence_parallel if tp else (False,), space.regather_activations,
                                         space.cp_attention if cp else ("ring",),
-                                        space.keep_gathered if fsdp else (False,), space.remat,
+                                        space.keep_gathered if fsdp else (False,), space.remat, space.loss_chunks,
                                         _accumulations(mesh, space, rows), _orders(mesh, space.orders, cl),
                                         _pipelines(mesh, space), space.offload_params, space.activation_offloading)
-            for sp, regather, cpa, keep, remat, ga, ordered, (schedule, virtual), off, act_off in choices:
+            for sp, regather, cpa, keep, remat, chunks, ga, ordered, (schedule, virtual), off, act_off in choices:
                 if regather and not sp:
                     continue
                 label = (f"fsdp={'+'.join(fsdp)}" if fsdp else "no-fsdp") + (" sp" if sp else "")
@@ -181,7 +186,7 @@ def candidates(n_devices: int, space: Space, cl: Cluster, rows: int | None = Non
                     + ((("regather_activations", True),) if regather else ()) \
                     + ((("offload_params", True),) if off else ()) + ((("activation_offloading", True),) if act_off else ())
                 rules = standard_rules(fsdp, sp, pp=s.get("pp", 1) > 1, ep=s.get("ep", 1) > 1)
-                c = Candidate(ordered, rules, label, opts, space.precision, ga, remat, schedule, virtual)
+                c = Candidate(ordered, rules, label, opts, space.precision, ga, remat, schedule, virtual, chunks)
                 if hash(c) not in seen:
                     seen.add(hash(c))
                     out.append(c)
@@ -229,11 +234,11 @@ def exhaustive(cands: Sequence[Candidate], evaluate: Evaluate) -> list[LayoutEst
 
 def leanest(cands: Sequence[Candidate]) -> Candidate:
     """The candidate of a group that holds the least memory: every memory lever pulled (whole-layer
-    recomputation, then the selective policies (every second matmul recomputed, then none); the most micro-steps, i.e. the smallest micro-batch; the widest
-    FSDP; sequence parallelism; Megatron's re-gather; weights re-gathered in backward)."""
+    recomputation, then the selective policies (every second matmul recomputed, then none); the most micro-steps, i.e. the smallest micro-batch; the
+    most loss chunks; the widest FSDP; sequence parallelism; Megatron's re-gather; weights re-gathered in backward)."""
     def key(c: Candidate):
         opts = dict(c.options)
-        return (-_REMAT_SAVING_ORDER[c.remat], -c.grad_accum, -len(c.rules.table.get("hidden") or ()),
+        return (-_REMAT_SAVING_ORDER[c.remat], -c.grad_accum, -_chunking(c), -len(c.rules.table.get("hidden") or ()),
                 "tp" not in c.rules["res_seq"], not opts.get("regather_activations", False),
                 bool(opts.get("keep_gathered", False)), opts.get("cp_attention", "ring") != "ring")
     return min(cands, key=key)
@@ -304,22 +309,23 @@ def beam(width: int = 4) -> Callable[[Sequence[Candidate], Evaluate], list[Layou
 def _expand(groups: Sequence[Sequence[Candidate]], many, done: dict) -> list[LayoutEstimate]:
     """Every option of the groups, except a memory lever's slower variants where a faster one
     already fits: for the same other options, more recomputation (none, selective, selective with
-    every second matmul recomputed, whole layer)
-    and more micro-steps only add time, so a variant is skipped when one with no more of either
-    fits. ``done``: candidates already evaluated (id -> estimate). The option sets advance
+    every second matmul recomputed, whole layer), more micro-steps and more loss chunks (the head's
+    fp32 gradient accumulator read and written once per chunk) only add time, so a variant is
+    skipped when one with no more of any of them fits. ``done``: candidates already evaluated (id -> estimate). The option sets advance
     together, one variant each per call of ``many``."""
     bases: dict = {}
     for group in groups:
         for c in group:
             bases.setdefault(_without_levers(c), []).append(c)
-    queues = [sorted(v, key=lambda c: (_REMAT_SAVING_ORDER[c.remat], c.grad_accum)) for v in bases.values()]
+    queues = [sorted(v, key=lambda c: (_REMAT_SAVING_ORDER[c.remat], c.grad_accum, _chunking(c)))
+              for v in bases.values()]
     fitting: list[list[Candidate]] = [[] for _ in queues]
     at = [0] * len(queues)
     out = []
 
     def dominated(i: int, c: Candidate) -> bool:
         return any(_REMAT_SAVING_ORDER[f.remat] <= _REMAT_SAVING_ORDER[c.remat] and f.grad_accum <= c.grad_accum
-                   for f in fitting[i])
+                   and _chunking(f) <= _chunking(c) for f in fitting[i])
 
     def settle(i: int, c: Candidate, e) -> None:
         if e is not None and e.settings.get("fits", True):
@@ -345,6 +351,11 @@ def _expand(groups: Sequence[Sequence[Candidate]], many, done: dict) -> list[Lay
 
 # recomputation: none, selective (every matmul kept), selective with every second matmul recomputed, whole layer
 _REMAT_SAVING_ORDER = {False: 0, "selective": 1, "selective_alternate": 2, True: 3}
+
+
+def _chunking(c: Candidate) -> int:
+    """How far the loss-chunking lever is pulled: 0 for the whole logits, else the chunk count."""
+    return c.loss_chunks or 0
 
 
 def _without_levers(c: Candidate) -> tuple:
@@ -413,7 +424,8 @@ def search(loss_fn: Callable, decls: Any, n_devices: int, batch: BatchSpec, *,
            progress: Callable[[int, int, str], None] | None = None, trainable: Any = None,
            pp_fsdp_gather: str = "step", optimizer: Any = None, compiled: bool = False,
            amend: Callable[[LayoutEstimate], None] | None = None, tokens_per_step: int | None = None,
-           float8: bool = False, jobs: int | None = 1) -> Ranking:
+           float8: bool = False, jobs: int | None = 1,
+           loss_for: Callable[[int], Callable] | None = None) -> Ranking:
     """Estimate and cost candidate layouts of ``n_devices`` and rank them: those within the
     memory limit (default: the cluster's device memory) first, by step time, then memory.
 
@@ -434,7 +446,10 @@ def search(loss_fn: Callable, decls: Any, n_devices: int, batch: BatchSpec, *,
     each layout's memory with Float8 linear layers' buffers (``estimate(float8=True)``; the
     ``cost_model`` costs their time, e.g. ``functools.partial(cost, float8=True)``); ``jobs``:
     worker processes that run the dry-runs (None: one per core; plan/workers.py), the ranking the
-    same for any number."""
+    same for any number. ``loss_for(chunks)``: the loss with the LM head and cross-entropy over
+    ``chunks`` token chunks (the model config's ``loss_chunks`` set), for the chunk counts of
+    ``space.loss_chunks`` (a candidate without chunking runs ``loss_fn``); without it the lever is
+    not searched (``space.loss_chunks`` must then be ``(None,)``)."""
     cl = as_cluster(cluster) if cluster is not None else None
     limit = memory_limit_bytes if memory_limit_bytes is not None else (cl.memory_bytes if cl else None)
     space = space or Space(precision=precision or "bf16")
@@ -443,17 +458,20 @@ def search(loss_fn: Callable, decls: Any, n_devices: int, batch: BatchSpec, *,
                  for m in (meshes if meshes is not None else _meshes(n_devices, space))]
     else:
         cands = candidates(n_devices, space, cl or as_cluster("h100x8"), rows=_rows(batch))
+    losses = _chunked_losses(loss_fn, loss_for, {c.loss_chunks for c in cands})
     rejected: list[tuple[str, str]] = []
 
     def one(c: Candidate) -> tuple[LayoutEstimate | None, tuple[str, str] | None]:
         try:
-            e = estimate(loss_fn, decls, c.mesh, c.rules, batch, options=dict(c.options), precision=c.precision,
+            e = estimate(losses[c.loss_chunks], decls, c.mesh, c.rules, batch, options=dict(c.options), precision=c.precision,
                          grad_accum=c.grad_accum, remat=c.remat, bandwidth=bandwidth, timeline=False,
                          label=c.label, schedule=c.schedule, virtual_stages=c.virtual, trainable=trainable,
                          pp_fsdp_gather=pp_fsdp_gather, optimizer=optimizer, compiled=compiled, float8=float8)
         except Exception as exc:   # noqa: BLE001 - an impossible layout is a result, not a failure
             cause = getattr(exc, "original", exc)
             return None, (_name(c), f"{type(cause).__name__}: {cause}".splitlines()[0])
+        if c.loss_chunks is not None:
+            e.settings["loss_chunks"] = c.loss_chunks
         if amend is not None:
             amend(e)
         if cl is not None:
@@ -470,6 +488,21 @@ def search(loss_fn: Callable, decls: Any, n_devices: int, batch: BatchSpec, *,
     tokens = (tokens_per_step if tokens_per_step is not None
               else math.prod(next(iter(batch.values()))[0]) if batch else 0)
     return Ranking(results, rejected, limit, cl.name if cl else None, tokens_per_step=tokens, devices=n_devices)
+
+
+def _chunked_losses(loss_fn: Callable, loss_for, chunk_counts) -> dict:
+    """chunk count -> the loss a candidate with it runs (None: ``loss_fn``), each built once."""
+    wanted = sorted(k for k in chunk_counts if k is not None)
+    bad = [k for k in wanted if isinstance(k, bool) or not isinstance(k, int) or k < 1]
+    if bad:
+        raise ValueError(f"plan.search: Space.loss_chunks holds {bad}: give token chunk counts >= 1, or None "
+                         f"for the whole logits")
+    if wanted and loss_for is None:
+        raise ValueError(f"plan.search: Space.loss_chunks searches {wanted} token chunks of the LM head and loss, "
+                         f"but no loss_for(chunks) was given to build that loss: pass loss_for (e.g. "
+                         f"lambda n: functools.partial(llama.loss, cfg=dataclasses.replace(cfg, loss_chunks=n))) "
+                         f"or leave Space.loss_chunks at (None,)")
+    return {None: loss_fn, **{k: loss_for(k) for k in wanted}}
 
 
 @contextlib.contextmanager
@@ -503,7 +536,8 @@ def _name(c: Candidate) -> str:
     mesh = "x".join(f"{a}={s}" for a, s in c.mesh.shape.items() if s > 1) or "1 device"
     pipe = ([c.schedule] + ([f"v={c.virtual}"] if c.virtual > 1 else [])) if c.mesh.shape.get("pp", 1) > 1 else []
     return " ".join([mesh, c.label] + pipe + [f"{k}={v}" for k, v in c.options] + _remat_label(c.remat)
-                    + ([f"grad_accum={c.grad_accum}"] if c.grad_accum > 1 else []))
+                    + ([f"grad_accum={c.grad_accum}"] if c.grad_accum > 1 else [])
+                    + ([f"loss_chunks={c.loss_chunks}"] if c.loss_chunks else []))
 
 
 GIB = 2 ** 30

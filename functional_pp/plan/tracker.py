@@ -29,7 +29,10 @@ CATEGORIES = ("weights", "optimizer state", "weights in flight", "activations", 
 
 _aten = torch.ops.aten
 _MATMULS = {_aten.mm.default: "mm", _aten.bmm.default: "bmm", _aten.addmm.default: "addmm",
-            _aten.baddbmm.default: "baddbmm"}
+            _aten.baddbmm.default: "baddbmm",
+            # (the chunked LM head's products into its buffers: ops/xent/chunks.py)
+            _aten.mm.out: "mm", _aten.addmm_.default: "addmm"}
+_TWO_OPERANDS = {_aten.mm.default, _aten.bmm.default, _aten.mm.out}     # (the others: bias / accumulator first)
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _LOGITS_GRAD = {_aten._log_softmax_backward_data.default, _aten.nll_loss_backward.default,
                 _aten.nll_loss2d_backward.default}
@@ -528,7 +531,7 @@ class MemoryTracker(EagerDispatchMode):
         reads that weight. Compiled, the partitioner recomputes it from the weight (free to save)."""
         if not (self.float8 and func in _MATMULS and self.layer is not None and self.phase != "update"):
             return []
-        operands = (args[0], args[1]) if func in (_aten.mm.default, _aten.bmm.default) else (args[1], args[2])
+        operands = (args[0], args[1]) if func in _TWO_OPERANDS else (args[1], args[2])
         forward = self.phase == "forward" or self.recomputing
         keys = []
         allocs = [self._live.get(id(t.untyped_storage())) for t in operands]
@@ -741,7 +744,7 @@ class MemoryTracker(EagerDispatchMode):
         """Count a matrix product's or attention kernel's FLOPs; False for any other op."""
         flops = 0.0
         if func in _MATMULS:
-            a, b = (args[0], args[1]) if func in (_aten.mm.default, _aten.bmm.default) else (args[1], args[2])
+            a, b = (args[0], args[1]) if func in _TWO_OPERANDS else (args[1], args[2])
             flops = 2.0 * math.prod(a.shape) * b.shape[-1]
             if self.layer is not None and self.phase != "update":      # a layer's linear projections
                 r = self.run
