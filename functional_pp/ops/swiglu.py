@@ -16,10 +16,10 @@ class _SwiGLU(torch.autograd.Function):
     """``silu(gate) * up`` saving ``gate`` and ``up``. Traced (torch.compile), the forward's
     ``silu(gate)`` is not saved: the compiler fuses it into the product's loop and the backward
     computes it again from ``gate`` in its own loop, so no buffer of it is written or kept (a
-    compiled step is one graph without a forward/backward partitioner to choose this). Eager
-    (:func:`swiglu_tensors` calls it traced only; under functorch transforms, say), the
-    forward has written ``silu(gate)`` anyway and the backward reuses it, as autograd of
-    ``F.silu(gate) * up`` does (same ops, same values)."""
+    compiled step is one graph without a forward/backward partitioner to choose this).
+    :func:`swiglu_tensors` applies it only when traced (eager it computes ``F.silu(gate) * up``
+    itself); called eagerly, the forward has written ``silu(gate)`` anyway and the backward
+    reuses it, as autograd of ``F.silu(gate) * up`` does (same ops, same values)."""
 
     @staticmethod
     def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
