@@ -53,12 +53,18 @@ def parallel(cfg, full_params, batch, mesh, rules, loss_fn=llama.loss, dtype=tor
     return fpp.launch(fn, mesh)
 
 
-def train_steps(cfg, data, mesh, rules, dtype=torch.float64, opt=None, device=None, wrap_loss=None, **step_kw):
+def train_steps(cfg, data, mesh, rules, dtype=torch.float64, opt=None, device=None, wrap_loss=None,
+                loss_as_traced=False, **step_kw):
     """A launchable function: ``len(data)`` steps of ``fpp.train_step`` (AdamW by default); per
     device the losses, the gathered parameters (numpy) and the collectives of the first step.
     ``device``: where the parameters and batches live (default the CPU); ``wrap_loss``: applied to
-    the Llama loss (e.g. fake quantization's ``adapt``)."""
+    the Llama loss (e.g. fake quantization's ``adapt``); ``loss_as_traced``: an eager step
+    computes the cross-entropy as a traced one does (``ops.loss.logits_widened_whole``: the
+    reference a compiled run is compared with)."""
+    import contextlib
     import functools
+
+    from functional_pp.ops.loss import logits_widened_whole
     opt = opt or fpp.optim.adamw(3e-3, weight_decay=0.1, clip_norm=1.0)
     loss = functools.partial(llama.loss, cfg=cfg)
     step = fpp.train_step(wrap_loss(loss) if wrap_loss else loss, opt, mesh=mesh, rules=rules, **step_kw)
@@ -69,7 +75,7 @@ def train_steps(cfg, data, mesh, rules, dtype=torch.float64, opt=None, device=No
         for b in data:
             with fpp.use_rules(rules):
                 local = {k: v.data.to(device) for k, v in local_batch(b, mesh, rules).items()}
-            with fpp.comm_report() as rep:
+            with fpp.comm_report() as rep, (logits_widened_whole() if loss_as_traced else contextlib.nullcontext()):
                 state, m = step(state, local)
             losses.append(m["loss"])
             events = rep.events if events is None else events

@@ -25,9 +25,12 @@ _local = per_thread("ops.loss")
 
 @contextmanager
 def logits_widened_whole() -> Iterator[None]:
-    """Inside the block 16-bit logits are widened to fp32 whole, as a compiled step (and
-    torchtitan's and Megatron's losses) do, not by row chunks as an eager step does: what a
-    dry-run of a program measured that way runs (functional_pp.plan.references)."""
+    """Inside the block the loss is computed as a traced step computes it: 16-bit logits
+    widened to fp32 whole (as torchtitan's and Megatron's losses do too), each row's
+    ``torch.logsumexp`` and the written-out backward (ops/xent/rows.py ``nll_rows``), not by
+    row chunks through torch's fused ``log_softmax``/``softmax`` as an eager step does: what a
+    dry-run of a program measured that way runs (functional_pp.plan.references), and the
+    eager values a traced step's equal bitwise."""
     previous = getattr(_local, "whole", False)
     _local.whole = True
     try:
@@ -88,8 +91,8 @@ def _nll_rows_named(op: str, logits: Named, labels: Named, vocab: str | None, ig
     logits._check_dim(vocab, op)
     vi = logits.dims.index(vocab)
     v_axes = logits.split[vi]
-    # the rows are reduced in fp32: 16-bit logits are widened by row chunks eagerly
-    # (ops/xent/rows.py nll_rows_wide), whole otherwise
+    # the rows are reduced in fp32: 16-bit logits are widened by row chunks eagerly, inside
+    # torch's fused kernels (ops/xent/rows.py nll_rows_wide), whole otherwise
     chunked = (not v_axes and not is_tracing() and not getattr(_local, "whole", False)
                and logits.data.movedim(vi, -1).is_contiguous())
     if logits.data.dtype in (torch.float16, torch.bfloat16) and not chunked:

@@ -16,9 +16,10 @@ class _SwiGLU(torch.autograd.Function):
     """``silu(gate) * up`` saving ``gate`` and ``up``. Traced (torch.compile), the forward's
     ``silu(gate)`` is not saved: the compiler fuses it into the product's loop and the backward
     computes it again from ``gate`` in its own loop, so no buffer of it is written or kept (a
-    compiled step is one graph without a forward/backward partitioner to choose this). Eager,
-    the forward has written ``silu(gate)`` anyway and the backward reuses it, as autograd of
-    ``F.silu(gate) * up`` does (same ops, same values)."""
+    compiled step is one graph without a forward/backward partitioner to choose this).
+    :func:`swiglu_tensors` applies it only when traced (eager it computes ``F.silu(gate) * up``
+    itself); called eagerly, the forward has written ``silu(gate)`` anyway and the backward
+    reuses it, as autograd of ``F.silu(gate) * up`` does (same ops, same values)."""
 
     @staticmethod
     def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -44,10 +45,13 @@ class _SwiGLU(torch.autograd.Function):
 
 def swiglu_tensors(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``F.silu(gate) * up`` for plain tensors of one shape, differentiable in both (see
-    :class:`_SwiGLU` for what the backward keeps)."""
+    :class:`_SwiGLU` for what the backward keeps). Eager, those two ops themselves: what the
+    Function keeps and computes eagerly, without its Python forward and backward."""
     if gate.shape != up.shape:
         raise ValueError(f"swiglu: gate has shape {tuple(gate.shape)} and up {tuple(up.shape)}; they must "
                          f"be equal (the two projections of one gated MLP)")
+    if not is_tracing():
+        return F.silu(gate) * up
     return apply_function(_SwiGLU, gate, up)
 
 

@@ -15,6 +15,7 @@ from functional_pp._torch import cached_graph_count
 from functional_pp.core.tree import map_with_path
 from functional_pp.models import llama
 from functional_pp.models.quantize import quantize_linear_weights
+from functional_pp.ops.loss import logits_widened_whole
 from functional_pp.parallel import sharding
 from functional_pp.quant.weights import QuantizedWeight
 from functional_pp.step.native_trace import call_natively
@@ -67,7 +68,8 @@ def _train(kind, layout, compile):
         for b in DATA:
             with fpp.use_rules(rules):
                 lb = {k: v.data for k, v in {k: fpp.named(v, "batch seq") for k, v in b.items()}.items()}
-            state, m = step(state, lb)
+            with logits_widened_whole():        # (eager too the loss as a traced step computes it)
+                state, m = step(state, lb)
             losses.append(float(m["loss"]))
         leaves = optree.tree_leaves(state["params"], is_leaf=_is_q, none_is_leaf=False)
         return losses, [x for leaf in leaves for x in (leaf if _is_q(leaf) else (leaf,)) if x is not None]

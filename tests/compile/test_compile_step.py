@@ -2,6 +2,7 @@
 in backward (ZeRO-3), remat layers are recomputed, and the collectives of the compiled graph
 are counted like eager ones. Compiled with aot_eager (the same graph passes as inductor)."""
 import collections
+import contextlib
 import functools
 import threading
 
@@ -14,19 +15,21 @@ import functional_pp as fpp
 from functional_pp.compile.backend import capture_graphs
 from functional_pp.compile.recompute import count_recomputed, saved_bytes
 from functional_pp.models import llama
+from functional_pp.ops.loss import logits_widened_whole
 
 
-def run_step(cfg, mesh, rules, steps=2, dtype=torch.float32, options=None, **step_kw):
+def run_step(cfg, mesh, rules, steps=2, dtype=torch.float32, options=None, loss_as_traced=False, **step_kw):
     """Train ``steps`` steps on every device; device 0 measures the last step's peak memory.
     Returns per device: losses, comm report of the last step, graphs compiled, peak bytes,
-    gathered parameters."""
+    gathered parameters. ``loss_as_traced``: an eager step computes the loss as a traced one
+    does (``ops.loss.logits_widened_whole``; its values then equal an aot_eager step's bitwise)."""
     step = fpp.train_step(functools.partial(llama.loss, cfg=cfg), fpp.optim.sgd(0.1), mesh=mesh,
                           rules=rules, **step_kw)
     barrier = threading.Barrier(mesh.size)
     data = [make_batch(cfg, batch=4, seq=16, seed=i) for i in range(steps)]
 
     def device():
-        with fpp.configure(**(options or {})):
+        with fpp.configure(**(options or {})), (logits_widened_whole() if loss_as_traced else contextlib.nullcontext()):
             state = step.init(fpp.init(llama.init, cfg, dtype, mesh=mesh, rules=rules, seed=0))
             losses, peak = [], None
             with capture_graphs() as graphs:
@@ -101,7 +104,7 @@ REMAT_CFG = llama.Config.tiny(layers=4)
 @pytest.mark.slow
 def test_compiled_remat_equals_eager_remat_bitwise_and_keeps_a_third():
     mesh, rules = fpp.Mesh(), fpp.Rules()
-    eager = run_step(REMAT_CFG, mesh, rules, remat=True)[0]
+    eager = run_step(REMAT_CFG, mesh, rules, remat=True, loss_as_traced=True)[0]
     remat = run_step(REMAT_CFG, mesh, rules, compile="aot_eager", remat=True)[0]
     plain = run_step(REMAT_CFG, mesh, rules, compile="aot_eager")[0]
     assert remat[0] == eager[0]                                   # losses, bitwise

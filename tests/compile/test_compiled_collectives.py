@@ -13,6 +13,7 @@ from harness import local_batch, make_batch
 import functional_pp as fpp
 from functional_pp.parallel import buckets
 from functional_pp.models import llama
+from functional_pp.ops.loss import logits_widened_whole
 
 CFG = llama.Config.tiny(layers=2, hidden=32, heads=4, kv_heads=2, mlp=64, vocab=64)
 # (pure FSDP: the gloo test below and tests/compile/test_compile_step.py)
@@ -32,7 +33,8 @@ def _train(mesh, rules, compile, processes=False):
         state = step.init(fpp.init(llama.init, CFG, torch.float64, mesh=mesh, rules=rules, seed=0))
         with fpp.use_rules(rules):
             batch = {k: v.data for k, v in local_batch(full, mesh, rules).items()}
-        with fpp.comm_report() as rep:
+        # (eager too the loss as a traced step computes it: the two compare bitwise)
+        with fpp.comm_report() as rep, logits_widened_whole():
             state, m = step(state, batch)
         with fpp.use_rules(rules):
             params = fpp.gather_tree(state["params"], llama.init(CFG, torch.float64), rules)

@@ -384,7 +384,8 @@ def test_new_options_compiled_equal_eager():
     try:
         for cfg in cfgs:
             opt = fpp.optim.adamw(1e-2)
-            assert_same_run(launch_steps(cfg, "aot_eager", batch=2, opt=opt)[0],
-                            launch_steps(cfg, False, batch=2, opt=opt)[0], rtol=1e-5, atol=1e-7)
+            assert_same_run(launch_steps(cfg, "aot_eager", batch=2, opt=opt, loss_as_traced=True)[0],   # (both:
+                            launch_steps(cfg, False, batch=2, opt=opt, loss_as_traced=True)[0],   # the loss as
+                            rtol=1e-5, atol=1e-7)                                                  # traced)
     finally:
         torch._dynamo.reset()

@@ -220,7 +220,8 @@ def test_compiled_step_equals_eager(saved):
     """The whole step compiled (aot_eager, the native trace: the chunk loop unrolled) trains as eager."""
     from harness import assert_same_run, launch_steps
     cfg = hf.config_from_hf(saved[1])
-    assert_same_run(launch_steps(cfg)[0], launch_steps(cfg, compile="aot_eager")[0], rtol=1e-5, atol=1e-6)
+    assert_same_run(launch_steps(cfg, loss_as_traced=True)[0],       # (eager too the loss as traced)
+                    launch_steps(cfg, compile="aot_eager", loss_as_traced=True)[0], rtol=1e-5, atol=1e-6)
 
 
 def test_nf4_base_equals_transformers_with_bitsandbytes(tmp_path):

@@ -42,6 +42,15 @@ def test_eager_swiglu_equals_autograd_of_silu_times_up_bitwise():
     assert torch.autograd.gradgradcheck(swiglu_tensors, (gate, up))
 
 
+def test_eager_swiglu_is_autograds_own_ops():
+    """Eager, ``silu(gate) * up`` is computed by autograd's own ops (no Python Function to
+    enter in forward and backward: docs/eager_overhead.md "Issue 38, fourth round")."""
+    gate, up, _ = _operands()
+    out = swiglu_tensors(gate.requires_grad_(), up.requires_grad_())
+    assert type(out.grad_fn).__name__ == "MulBackward0"
+    assert type(out.grad_fn.next_functions[0][0]).__name__ == "SiluBackward0"
+
+
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_compiled_swiglu_recomputes_silu_and_matches_autograd(backend):
     """Traced, the forward saves only gate and up and the backward computes silu(gate) again:

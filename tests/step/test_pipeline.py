@@ -248,10 +248,12 @@ def _compiled_against_eager(reference, cfg, processes=False, **pp):
         return losses, _held_and_gathered(state["params"], mesh, rules, cfg), graphs
     compiled = fpp.launch(device, mesh, **({"processes": True, "timeout": 300} if processes else {}))
     _assert_equal(ref, compiled)
+    # (the eager loss is torch's fused log_softmax/softmax, the traced one logsumexp and its
+    # written-out backward: the last bits differ, as against one device)
     for (le, pe, _), (lc, pc, _) in zip(eager, compiled):
-        np.testing.assert_allclose(lc, le, rtol=1e-13)
+        np.testing.assert_allclose(lc, le, rtol=1e-12, atol=1e-13)
         for path, x in pc.items():
-            np.testing.assert_allclose(x, pe[path], rtol=1e-13, atol=1e-14, err_msg=path)
+            np.testing.assert_allclose(x, pe[path], rtol=1e-12, atol=1e-13, err_msg=path)
     return [graphs for _, _, graphs in compiled]
 
 

@@ -63,33 +63,39 @@ class _XentRows(torch.autograd.Function):
         return grad, None, None, None
 
 
-# ---------------------------------------------------------------------------- eager, row chunks
+# ---------------------------------------------------------------------------- eager
 ROW_CHUNKS = 8                   # eager nll_rows_wide works on about 1/ROW_CHUNKS of the rows at a time,
 MIN_CHUNK_BYTES = 8 * 2**20      # on chunks of at least this many bytes of fp32 logits (fewer launches)
 
 
 def nll_rows_wide(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """:func:`nll_rows` with the whole vocabulary, eagerly, for logits ``x`` in 16 or 32 bits
-    (rows contiguous, vocabulary last), each row's ``lse - x[idx]`` in fp32 (in ``x``'s dtype
-    when wider), computed about ``1/ROW_CHUNKS`` of the rows at a time.
+    """:func:`nll_rows` with the whole vocabulary, eagerly (docs/memory.md "The loss in row
+    chunks"): each row's ``-log_softmax(x)[idx]`` in fp32 (in ``x``'s dtype when wider), by
+    torch's fused kernels: ``log_softmax`` forward (one pass over a row; ``torch.logsumexp``
+    is five ops), ``softmax`` backward, whose result becomes the gradient in place
+    (``g * (softmax(x) - onehot(idx))``). 16-bit logits are widened inside those kernels.
 
-    The same numbers as casting ``x`` to fp32 and calling :func:`nll_rows` with
-    ``torch.logsumexp`` of the whole cast, bitwise (each row's reductions and each element's
-    arithmetic are the same ops; docs/memory.md "The loss in row chunks"), without their
-    full-size buffers: the fp32 copy of 16-bit logits kept for backward, ``logsumexp``'s
-    temporary and the fp32 gradient before its cast. Forward keeps ``x`` itself and the rows'
-    ``lse``; backward writes the gradient in ``x``'s dtype."""
-    return apply_function(_WideRows, x, idx)[0]     # (no per-call signature binding)
+    Forward keeps only ``x``. Logits whose rows are contiguous and larger than two chunks are
+    worked on about ``1/ROW_CHUNKS`` of the rows at a time: forward lets each chunk's fp32
+    log-softmax go at once, backward writes each chunk's gradient into one buffer of ``x``'s
+    dtype (16-bit: through one fp32 chunk). The numbers are the same with one chunk or many,
+    bitwise (both kernels work row by row)."""
+    return apply_function(_WideRows, x, idx)       # (no per-call signature binding)
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
+def _one_chunk(x: torch.Tensor) -> bool:
+    """Whether ``x`` is worked on whole: under two chunks' worth of fp32 bytes (each chunk of
+    :func:`_row_chunks` holds at least ``MIN_CHUNK_BYTES``), two rows, or rows not contiguous."""
+    return x.numel() * 4 < 2 * MIN_CHUNK_BYTES or x.numel() <= 2 * x.shape[-1] or not x.is_contiguous()
+
+
 def _row_chunks(rows: int, vocab: int) -> list[tuple[int, int]]:
     """Row ranges of about ``rows / ROW_CHUNKS`` each, of at least ``MIN_CHUNK_BYTES`` of fp32
-    logits, none of a single row unless ``rows`` is 1 (a reduction with one output is split
-    across threads, in another order)."""
+    logits, none of a single row unless ``rows`` is 1."""
     step = max(2, -(-rows // ROW_CHUNKS), -(-MIN_CHUNK_BYTES // (4 * vocab)))
     bounds = list(range(0, rows, step)) + [rows]
     if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:
@@ -100,45 +106,40 @@ def _row_chunks(rows: int, vocab: int) -> list[tuple[int, int]]:
 class _WideRows(torch.autograd.Function):
     @staticmethod
     def forward(x, idx):
-        wide = _wide(x.dtype)
-        flat = x.view(-1, x.shape[-1])
-        chunks = _row_chunks(*flat.shape)
-        if len(chunks) == 1:
-            lse = torch.logsumexp(flat.to(wide), -1)
-        else:
-            lse = torch.empty(flat.shape[0], dtype=wide, device=x.device)
-            for a, b in chunks:
-                torch.logsumexp(flat[a:b].to(wide), -1, out=lse[a:b])
-        lse = lse.view(idx.shape)
-        # (a 16-bit picked logit is widened exactly by the subtraction's type promotion)
-        return lse - x.gather(-1, idx.unsqueeze(-1)).squeeze(-1), lse
+        wide, col = _wide(x.dtype), idx.unsqueeze(-1)
+        if _one_chunk(x):
+            return torch.log_softmax(x, -1, dtype=wide).gather(-1, col).squeeze(-1).neg_()
+        v = x.shape[-1]
+        flat, flat_col = x.view(-1, v), col.reshape(-1, 1)
+        nll = torch.empty(flat.shape[0], 1, dtype=wide, device=x.device)
+        for a, b in _row_chunks(*flat.shape):        # (each chunk's log-softmax let go at once)
+            torch.gather(torch.log_softmax(flat[a:b], -1, dtype=wide), -1, flat_col[a:b], out=nll[a:b])
+        return nll.view(idx.shape).neg_()
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, idx = inputs
-        ctx.save_for_backward(x, idx, output[1])
-        ctx.mark_non_differentiable(output[1])
-        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(*inputs)
 
     @staticmethod
-    def backward(ctx, g, _):
-        x, idx, lse = ctx.saved_tensors
-        wide, v = _wide(x.dtype), x.shape[-1]
-        flat, flat_idx = x.view(-1, v), idx.reshape(-1, 1)
-        flat_lse, flat_g = lse.reshape(-1, 1), g.reshape(-1, 1)
-        chunks = _row_chunks(*flat.shape)
-        grad = None if len(chunks) == 1 else torch.empty_like(x)
-        for a, b in chunks:
-            into = None if grad is None or wide != x.dtype else grad.view(-1, v)[a:b]
-            if wide != x.dtype:        # the widened chunk, a buffer of its own, is the work space
-                part = flat[a:b].to(wide).sub_(flat_lse[a:b]).exp_()
-            else:
-                part = torch.sub(flat[a:b], flat_lse[a:b], out=into).exp_()
-            part.scatter_add_(-1, flat_idx[a:b], torch.full_like(flat_idx[a:b], -1, dtype=wide))
+    def backward(ctx, g):
+        x, idx = ctx.saved_tensors
+        wide = _wide(x.dtype)
+        if _one_chunk(x):              # the whole gradient (in fp32 for 16-bit x), then in x's dtype
+            grad = torch.softmax(x, -1, dtype=wide)
+            grad.scatter_(-1, idx.unsqueeze(-1), -1.0, reduce="add")
+            grad.mul_(g.unsqueeze(-1))
+            return (grad if wide == x.dtype else grad.to(x.dtype)), None
+        v = x.shape[-1]
+        flat, flat_idx, flat_g = x.view(-1, v), idx.reshape(-1, 1), g.reshape(-1, 1)
+        grad = torch.empty_like(x)
+        into = grad.view(-1, v)
+        for a, b in _row_chunks(*flat.shape):
+            # 16-bit: a chunk of fp32, the work space, rounded into the gradient
+            part = (torch.softmax(flat[a:b], -1, out=into[a:b]) if wide == x.dtype
+                    else torch.softmax(flat[a:b], -1, dtype=wide))
+            part.scatter_(-1, flat_idx[a:b], -1.0, reduce="add")
             part.mul_(flat_g[a:b])
-            if grad is None:           # one chunk: the whole gradient, in x's dtype
-                return part.to(x.dtype).view(x.shape), None
-            if into is None:           # a chunk of fp32, rounded into the 16-bit gradient
-                grad.view(-1, v)[a:b].copy_(part)
+            if wide != x.dtype:
+                into[a:b].copy_(part)
             del part                   # (before the next chunk's is made)
         return grad, None
