@@ -126,7 +126,8 @@ class _WideRows(torch.autograd.Function):
         wide = _wide(x.dtype)
         if _one_chunk(x):              # the whole gradient (in fp32 for 16-bit x), then in x's dtype
             grad = torch.softmax(x, -1, dtype=wide)
-            grad.scatter_(-1, idx.unsqueeze(-1), -1.0, reduce="add")
+            col = idx.unsqueeze(-1)
+            grad.scatter_add_(-1, col, torch.full_like(col, -1, dtype=wide))
             grad.mul_(g.unsqueeze(-1))
             return (grad if wide == x.dtype else grad.to(x.dtype)), None
         v = x.shape[-1]
@@ -137,7 +138,7 @@ class _WideRows(torch.autograd.Function):
             # 16-bit: a chunk of fp32, the work space, rounded into the gradient
             part = (torch.softmax(flat[a:b], -1, out=into[a:b]) if wide == x.dtype
                     else torch.softmax(flat[a:b], -1, dtype=wide))
-            part.scatter_(-1, flat_idx[a:b], -1.0, reduce="add")
+            part.scatter_add_(-1, flat_idx[a:b], torch.full_like(flat_idx[a:b], -1, dtype=wide))
             part.mul_(flat_g[a:b])
             if wide != x.dtype:
                 into[a:b].copy_(part)
