@@ -78,8 +78,8 @@ def nll_rows_wide(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     Forward keeps only ``x``. Logits whose rows are contiguous and larger than two chunks are
     worked on about ``1/ROW_CHUNKS`` of the rows at a time: forward lets each chunk's fp32
     log-softmax go at once, backward writes each chunk's gradient into one buffer of ``x``'s
-    dtype (16-bit: through one fp32 chunk). The numbers are the same with one chunk or many,
-    bitwise (both kernels work row by row)."""
+    dtype (16-bit: through fp32 chunks of half the size, the softmax's cast and result). The
+    numbers are the same with one chunk or many, bitwise (both kernels work row by row)."""
     return apply_function(_WideRows, x, idx)       # (no per-call signature binding)
 
 
@@ -93,10 +93,11 @@ def _one_chunk(x: torch.Tensor) -> bool:
     return x.numel() * 4 < 2 * MIN_CHUNK_BYTES or x.numel() <= 2 * x.shape[-1] or not x.is_contiguous()
 
 
-def _row_chunks(rows: int, vocab: int) -> list[tuple[int, int]]:
+def _row_chunks(rows: int, vocab: int, split: int = 1) -> list[tuple[int, int]]:
     """Row ranges of about ``rows / ROW_CHUNKS`` each, of at least ``MIN_CHUNK_BYTES`` of fp32
-    logits, none of a single row unless ``rows`` is 1."""
-    step = max(2, -(-rows // ROW_CHUNKS), -(-MIN_CHUNK_BYTES // (4 * vocab)))
+    logits, none of a single row unless ``rows`` is 1; ``split`` times smaller both (a kernel
+    that holds ``split`` fp32 buffers of its chunk: the same bytes at once)."""
+    step = max(2, -(-rows // (ROW_CHUNKS * split)), -(-MIN_CHUNK_BYTES // (4 * vocab * split)))
     bounds = list(range(0, rows, step)) + [rows]
     if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:
         del bounds[-2]                 # a last chunk of one row joins the one before
@@ -134,7 +135,9 @@ class _WideRows(torch.autograd.Function):
         flat, flat_idx, flat_g = x.view(-1, v), idx.reshape(-1, 1), g.reshape(-1, 1)
         grad = torch.empty_like(x)
         into = grad.view(-1, v)
-        for a, b in _row_chunks(*flat.shape):
+        # 16-bit: torch's softmax with dtype= casts the chunk to fp32 before its kernel (on the CPU,
+        # and on CUDA but for fp16), two fp32 buffers of the chunk at once: chunks half the size
+        for a, b in _row_chunks(*flat.shape, split=1 if wide == x.dtype else 2):
             # 16-bit: a chunk of fp32, the work space, rounded into the gradient
             part = (torch.softmax(flat[a:b], -1, out=into[a:b]) if wide == x.dtype
                     else torch.softmax(flat[a:b], -1, dtype=wide))
