@@ -348,8 +348,7 @@ def estimate(loss_fn: Callable[[Any, dict], Any], decls: Any, mesh: Mesh, rules:
         if not fsdp2_streams or _pipeline_stage or mesh.shape.get("dp_shard", 1) == 1:
             return None
         root, last = fsdp2.held_unsharded(d, repeated, mesh, rules, float8_all_gather, itemsize)
-        n = len(d[repeated]) if isinstance(d, dict) and isinstance(d.get(repeated), list) else 0
-        return root, n - 1, last
+        return root, fsdp2.layer_count(d, repeated) - 1, last
 
     def run_on(device: int) -> list:
         return [_run_device(loss_fn, d, mesh, rules, b, options, optimizer, precision, g, remat,

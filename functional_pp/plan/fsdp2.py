@@ -94,14 +94,13 @@ def sharded_gradients(decls, repeated: str | None, mesh, rules, trainable=None) 
     parameter outside the layers, torchtitan's ``fully_shard(model)``), each the sum of its
     trainable parameters' shards in fp32 (torchtitan's ``reduce_dtype``; the shards' own dtype)."""
     flags = dict(leaves_with_paths(trainable(decls))) if trainable is not None else {}
-    layers_list = decls.get(repeated) if isinstance(decls, dict) and repeated else None
-    n = len(layers_list) if isinstance(layers_list, list) else 0
+    n = layer_count(decls, repeated)
     units = [0] * (n + 1)
     for path, d in leaves_with_paths(decls):
         if not (flags.get(path, True) and d.dtype.is_floating_point):
             continue
-        parts = path.split(".")
-        i = int(parts[1]) if n and parts[0] == repeated and len(parts) > 1 and parts[1].isdigit() else n
+        i = _layer_of(path, repeated, n)
+        i = n if i is None else i
         shape = local_shape(d.shape, rules.resolve(d.dims, d.shape, mesh, path), mesh)
         units[i] += 4 * int(torch.Size(shape).numel())
     return [u for u in units[n - 1::-1] + units[n:] if u]      # (the layers' last first, the root's last)
@@ -118,12 +117,10 @@ def held_unsharded(decls, repeated: str | None, mesh, rules, float8_all_gather: 
     (``dp_shard``), in ``itemsize`` bytes (the step's 16 bits), the last layer's matrices in
     one byte with ``float8_all_gather``."""
     gathered = type(mesh)(**{**dict(mesh.shape), "dp_shard": 1})
-    layers_list = decls.get(repeated) if isinstance(decls, dict) and repeated else None
-    n = len(layers_list) if isinstance(layers_list, list) else 0
+    n = layer_count(decls, repeated)
     root = last = 0
     for path, d in leaves_with_paths(decls):
-        parts = path.split(".")
-        layer = int(parts[1]) if n and parts[0] == repeated and len(parts) > 1 and parts[1].isdigit() else None
+        layer = _layer_of(path, repeated, n)
         if layer is not None and layer != n - 1:
             continue
         numel = int(torch.Size(local_shape(d.shape, rules.resolve(d.dims, d.shape, gathered, path), gathered)).numel())
@@ -132,3 +129,16 @@ def held_unsharded(decls, repeated: str | None, mesh, rules, float8_all_gather: 
         else:
             last += (1 if float8_all_gather and len(d.shape) >= 2 else itemsize) * numel
     return root, last
+
+
+def layer_count(decls, repeated: str | None) -> int:
+    """How many layers ``decls[repeated]`` holds (0: no list of layers)."""
+    layers_list = decls.get(repeated) if isinstance(decls, dict) and repeated else None
+    return len(layers_list) if isinstance(layers_list, list) else 0
+
+
+def _layer_of(path: str, repeated: str | None, n: int) -> int | None:
+    """The layer of ``decls[repeated]`` a parameter path is in (``layers.3.mlp.up`` -> 3), or None
+    for a parameter outside the layers (FSDP2's root unit)."""
+    parts = path.split(".")
+    return int(parts[1]) if n and parts[0] == repeated and len(parts) > 1 and parts[1].isdigit() else None
